@@ -1,0 +1,173 @@
+"""The interchange format: transformers' Olmo3 config.json and parameter names/shapes.
+
+HF's ``vocab_size`` is the padded (embedding) size; the tokenizer's own vocab size and
+the fields HF has no place for travel under ``olmo_*`` keys, which transformers keeps
+as plain attributes, so a spec survives ModelSpec -> config.json -> ModelSpec exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .presets import SpecError, spec_from_dict
+from .spec import ModelSpec
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """config.json contents for transformers' Olmo3ForCausalLM."""
+    if spec.moe is not None:
+        raise SpecError("hf_config: MoE specs use the OLMoE layout, not Olmo3; see olmo_model.hf_moe")
+    if spec.qk_norm != "full":
+        raise SpecError(
+            f"hf_config: qk_norm='{spec.qk_norm}' cannot be expressed by Olmo3ForCausalLM "
+            "(it normalises q and k over the full width); use qk_norm='full'"
+        )
+    sliding_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.yarn is not None:
+        full_rope = {
+            "rope_type": "yarn",
+            "rope_theta": spec.rope_theta,
+            "factor": spec.yarn.factor,
+            "original_max_position_embeddings": spec.yarn.original_max_position_embeddings,
+            "beta_fast": spec.yarn.beta_fast,
+            "beta_slow": spec.yarn.beta_slow,
+        }
+        if spec.yarn.attention_factor is not None:
+            full_rope["attention_factor"] = spec.yarn.attention_factor
+    return {
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "vocab_size": spec.padded_vocab_size,
+        "hidden_size": spec.d_model,
+        "intermediate_size": spec.mlp_hidden,
+        "num_hidden_layers": spec.n_layers,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.init_std,
+        "pad_token_id": spec.pad_token_id,
+        "bos_token_id": spec.bos_token_id,
+        "eos_token_id": spec.eos_token_id,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"sliding_attention": sliding_rope, "full_attention": full_rope},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": spec.norm_eps,
+        "sliding_window": spec.sliding_window,
+        "layer_types": list(spec.layer_types),
+        # Fields Olmo3Config has no slot for; transformers keeps them as attributes.
+        "olmo_vocab_size": spec.vocab_size,
+        "olmo_init_cutoff": spec.init_cutoff,
+        "olmo_z_loss_weight": spec.z_loss_weight,
+        "olmo_name": spec.name,
+    }
+
+
+def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """A ModelSpec from an Olmo3 config.json dict (ours or one from the hub)."""
+    model_type = cfg.get("model_type")
+    if model_type not in (None, "olmo3"):
+        raise SpecError(f"{source}: model_type '{model_type}' is not olmo3; convert an Olmo 3 checkpoint")
+    if cfg.get("tie_word_embeddings"):
+        raise SpecError(f"{source}: tie_word_embeddings=true, but Olmo 3 has an untied output head")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise SpecError(f"{source}: hidden_act '{cfg['hidden_act']}' is not silu (SwiGLU)")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        raise SpecError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads")
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    sliding = rope.get("sliding_attention") or {}
+    theta = full.get("rope_theta", cfg.get("rope_theta", 500_000.0))
+    if sliding and sliding.get("rope_theta", theta) != theta:
+        raise SpecError(f"{source}: different rope_theta per layer type is not supported")
+    if sliding.get("rope_type", "default") != "default":
+        raise SpecError(f"{source}: RoPE scaling on sliding layers is not supported (Olmo 3 scales global layers)")
+    yarn = None
+    legacy = cfg.get("rope_scaling")
+    if full.get("rope_type", "default") == "yarn" or (legacy and legacy.get("rope_type") == "yarn"):
+        y = full if full.get("rope_type") == "yarn" else legacy
+        yarn = {
+            "factor": y["factor"],
+            "original_max_position_embeddings": y["original_max_position_embeddings"],
+            "beta_fast": y.get("beta_fast", 32.0),
+            "beta_slow": y.get("beta_slow", 1.0),
+            "attention_factor": y.get("attention_factor"),
+        }
+    elif full.get("rope_type", "default") != "default":
+        raise SpecError(f"{source}: rope_type '{full['rope_type']}' is not supported (default or yarn)")
+    padded = cfg["vocab_size"]
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    data: dict[str, Any] = {
+        "name": cfg.get("olmo_name"),
+        "d_model": cfg["hidden_size"],
+        "n_layers": cfg["num_hidden_layers"],
+        "n_heads": cfg["num_attention_heads"],
+        "n_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        "mlp_hidden": cfg["intermediate_size"],
+        "vocab_size": cfg.get("olmo_vocab_size", padded),
+        "padded_vocab_size": padded,
+        "eos_token_id": eos,
+        "pad_token_id": cfg.get("pad_token_id"),
+        "bos_token_id": cfg.get("bos_token_id"),
+        "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "qk_norm": "full",
+        "rope_theta": theta,
+        "yarn": yarn,
+        "sliding_window": cfg.get("sliding_window"),
+        "layer_types": tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
+        "max_position_embeddings": cfg.get("max_position_embeddings", 65536),
+        "init_std": cfg.get("initializer_range", 0.02),
+    }
+    if "olmo_init_cutoff" in cfg:
+        data["init_cutoff"] = cfg["olmo_init_cutoff"]
+    if "olmo_z_loss_weight" in cfg:
+        data["z_loss_weight"] = cfg["olmo_z_loss_weight"]
+    if data["n_kv_heads"] == data["n_heads"]:
+        data["n_kv_heads"] = None
+    return spec_from_dict(data, source=source)
+
+
+def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter names (transformers' Olmo3ForCausalLM) and shapes, in order.
+
+    Linear weights are (out_features, in_features) as torch.nn.Linear stores them."""
+    d = spec.d_model
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.padded_vocab_size, d)}
+    for i in range(spec.n_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "self_attn.q_proj.weight"] = (spec.q_width, d)
+        shapes[p + "self_attn.k_proj.weight"] = (spec.kv_width, d)
+        shapes[p + "self_attn.v_proj.weight"] = (spec.kv_width, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, spec.q_width)
+        if spec.qk_norm == "full":
+            shapes[p + "self_attn.q_norm.weight"] = (spec.q_width,)
+            shapes[p + "self_attn.k_norm.weight"] = (spec.kv_width,)
+        elif spec.qk_norm == "per_head":
+            shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if spec.is_moe_layer(i):
+            moe = spec.moe
+            assert moe is not None
+            shapes[p + "mlp.gate.weight"] = (moe.n_experts, d)
+            for e in range(moe.n_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (moe.expert_hidden, d)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (moe.expert_hidden, d)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (d, moe.expert_hidden)
+            for s in range(moe.n_shared_experts):
+                shapes[p + f"mlp.shared_experts.{s}.gate_proj.weight"] = (moe.shared_hidden, d)
+                shapes[p + f"mlp.shared_experts.{s}.up_proj.weight"] = (moe.shared_hidden, d)
+                shapes[p + f"mlp.shared_experts.{s}.down_proj.weight"] = (d, moe.shared_hidden)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (spec.mlp_hidden, d)
+            shapes[p + "mlp.up_proj.weight"] = (spec.mlp_hidden, d)
+            shapes[p + "mlp.down_proj.weight"] = (d, spec.mlp_hidden)
+        shapes[p + "post_feedforward_layernorm.weight"] = (d,)
+    shapes["model.norm.weight"] = (d,)
+    shapes["lm_head.weight"] = (spec.padded_vocab_size, d)
+    return shapes

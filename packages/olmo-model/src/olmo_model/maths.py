@@ -1,0 +1,204 @@
+"""Framework-neutral maths: parameter counts, training FLOPs per token, MFU, memory.
+
+FLOPs count what the matmuls compute (2 FLOPs per multiply-add; backward = 2x forward):
+- every weight matmul: 6 x its parameter count per token (embedding lookups excluded,
+  the output head included);
+- attention scores and the weighted sum: 2 x 2 x head_dim x n_heads x (keys seen) per query
+  forward, so 12 x head_dim x n_heads x keys for training. A causal query at position p
+  sees p+1 keys; a sliding one sees min(p+1, window). Averaged over a sequence of length S.
+- MoE: the router matmul and only the top-k routed experts a token visits (plus shared).
+RMSNorm, RoPE, softmax and the loss are not matmuls and are left out, as in PaLM's MFU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .spec import SLIDING, ModelSpec
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # every parameter stored
+    non_embedding: int  # total minus the input embedding and the output head
+    active: int  # parameters a token uses (MoE: top-k experts only); dense: = total
+    embedding: int  # input embedding + output head
+
+
+def _attn_params(spec: ModelSpec) -> int:
+    d = spec.d_model
+    proj = d * spec.q_width + 2 * d * spec.kv_width + spec.q_width * d
+    if spec.qk_norm == "full":
+        norms = spec.q_width + spec.kv_width
+    elif spec.qk_norm == "per_head":
+        norms = 2 * spec.head_dim
+    else:
+        norms = 0
+    return proj + norms
+
+
+def _ffn_params(spec: ModelSpec, layer: int) -> tuple[int, int]:
+    """(stored, active) feed-forward parameters of one layer."""
+    d = spec.d_model
+    if not spec.is_moe_layer(layer):
+        p = 3 * d * spec.mlp_hidden
+        return p, p
+    moe = spec.moe
+    assert moe is not None
+    router = d * moe.n_experts
+    expert = 3 * d * moe.expert_hidden
+    shared = moe.n_shared_experts * 3 * d * moe.shared_hidden
+    return router + moe.n_experts * expert + shared, router + moe.top_k * expert + shared
+
+
+def param_counts(spec: ModelSpec) -> ParamCounts:
+    d = spec.d_model
+    embedding = 2 * spec.padded_vocab_size * d  # untied embedding + lm_head
+    total = embedding + d  # final norm
+    active = embedding + d
+    for i in range(spec.n_layers):
+        stored, act = _ffn_params(spec, i)
+        block = _attn_params(spec) + 2 * d  # + post-attention and post-feedforward norms
+        total += block + stored
+        active += block + act
+    return ParamCounts(total=total, non_embedding=total - embedding, active=active, embedding=embedding)
+
+
+def mean_keys_per_query(seq_len: int, window: int | None) -> float:
+    """Average keys a causal query attends to over positions 0..seq_len-1."""
+    s = seq_len
+    if window is None or window >= s:
+        return (s + 1) / 2
+    w = window
+    return (w * (w + 1) / 2 + (s - w) * w) / s
+
+
+def matmul_params_per_token(spec: ModelSpec) -> int:
+    """Weights a token multiplies through (embedding lookup excluded, head included)."""
+    d = spec.d_model
+    n = spec.padded_vocab_size * d  # output head
+    for i in range(spec.n_layers):
+        n += d * spec.q_width + 2 * d * spec.kv_width + spec.q_width * d
+        n += _ffn_params(spec, i)[1]
+    return n
+
+
+def attention_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs of QK^T and AV per token, averaged over a sequence of seq_len."""
+    total = 0.0
+    for i in range(spec.n_layers):
+        keys = mean_keys_per_query(seq_len, spec.window_of(i))
+        total += 12 * spec.n_heads * spec.head_dim * keys
+    return total
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token at a sequence length."""
+    return 6 * matmul_params_per_token(spec) + attention_flops_per_token(spec, seq_len)
+
+
+# ---- peak table and MFU ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DevicePeak:
+    kind: str
+    bf16_flops_per_chip: float
+    devices_per_chip: int = 1  # JAX shows tpu7x (Ironwood) as 2 devices per chip
+    hbm_bytes: float = 0.0
+
+    @property
+    def bf16_flops_per_device(self) -> float:
+        return self.bf16_flops_per_chip / self.devices_per_chip
+
+
+# bf16 dense peaks (DESIGN.md). HBM per device for the planner.
+PEAKS: dict[str, DevicePeak] = {
+    "h100": DevicePeak("h100", 989e12, hbm_bytes=80 * 2**30),
+    "h200": DevicePeak("h200", 989e12, hbm_bytes=141e9),
+    "b200": DevicePeak("b200", 2250e12, hbm_bytes=180e9),
+    "b300": DevicePeak("b300", 2250e12, hbm_bytes=270e9),
+    "a100": DevicePeak("a100", 312e12, hbm_bytes=80 * 2**30),
+    "v5p": DevicePeak("v5p", 459e12, hbm_bytes=95 * 2**30),
+    "v6e": DevicePeak("v6e", 918e12, hbm_bytes=32 * 2**30),
+    "tpu7x": DevicePeak("tpu7x", 2307e12, devices_per_chip=2, hbm_bytes=96 * 2**30),
+}
+
+# Strings JAX (device_kind) and torch (get_device_name) report, mapped to table keys.
+_ALIASES: list[tuple[str, str]] = [
+    (r"h100", "h100"),
+    (r"h200", "h200"),
+    (r"b200", "b200"),
+    (r"b300", "b300"),
+    (r"a100", "a100"),
+    (r"v5p|v5 ?p", "v5p"),
+    (r"v6e|v6 ?lite|trillium", "v6e"),
+    (r"tpu ?7x|ironwood|tpu7", "tpu7x"),
+]
+
+
+class UnknownDeviceError(ValueError):
+    pass
+
+
+def resolve_device_kind(name: str) -> DevicePeak:
+    """Map a device name ('NVIDIA H100 80GB HBM3', 'TPU v5p', 'h100') to its peak entry."""
+    low = name.lower().strip()
+    if low in PEAKS:
+        return PEAKS[low]
+    for pattern, key in _ALIASES:
+        if re.search(pattern, low):
+            return PEAKS[key]
+    raise UnknownDeviceError(
+        f"unknown device kind '{name}': no bf16 peak is known for it; "
+        f"use one of {', '.join(PEAKS)} (or pass an explicit measured peak)"
+    )
+
+
+def mfu(
+    spec: ModelSpec,
+    seq_len: int,
+    tokens_per_second_per_device: float,
+    device_kind: str | None = None,
+    peak_flops_per_device: float | None = None,
+) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s per device over the device's peak.
+
+    Give either a device kind from the peak table or an explicit (e.g. measured) peak."""
+    if peak_flops_per_device is None:
+        if device_kind is None:
+            raise ValueError("mfu needs device_kind or peak_flops_per_device")
+        peak_flops_per_device = resolve_device_kind(device_kind).bf16_flops_per_device
+    return flops_per_token(spec, seq_len) * tokens_per_second_per_device / peak_flops_per_device
+
+
+# ---- memory ---------------------------------------------------------------------------
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def training_state_bytes(spec: ModelSpec, param_dtype: str = "float32") -> dict[str, int]:
+    """Bytes for weights, gradients and AdamW's two moments (moments kept in fp32)."""
+    n = param_counts(spec).total
+    b = _BYTES[param_dtype]
+    return {"weights": n * b, "gradients": n * b, "adamw_state": n * 8, "total": n * (2 * b + 8)}
+
+
+def describe(spec: ModelSpec, seq_len: int) -> dict:
+    """The numbers `olmo-model describe` prints, as a JSON-ready dict."""
+    counts = param_counts(spec)
+    n_sliding = sum(1 for t in spec.layer_types if t == SLIDING)
+    return {
+        "spec": spec.model_dump(mode="json"),
+        "seq_len": seq_len,
+        "params_total": counts.total,
+        "params_non_embedding": counts.non_embedding,
+        "params_active": counts.active,
+        "params_embedding": counts.embedding,
+        "flops_per_token": flops_per_token(spec, seq_len),
+        "attention_flops_per_token": attention_flops_per_token(spec, seq_len),
+        "layers_sliding": n_sliding,
+        "layers_global": spec.n_layers - n_sliding,
+        "memory_fp32": training_state_bytes(spec, "float32"),
+        "memory_bf16_params_fp32_adam": training_state_bytes(spec, "bfloat16"),
+    }

@@ -1,0 +1,128 @@
+"""Named model sizes as data. Shapes are OLMo-core 3.0.0's olmo3 presets (DESIGN.md);
+the tiny ones exist for tests (2-4 layers, d_model 64-128, a window shorter than the
+test sequences so both attention kinds are exercised)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .spec import ModelSpec
+
+_OLMO3: dict[str, dict[str, Any]] = {
+    "olmo3-14m": dict(d_model=128, n_layers=4, n_heads=8, mlp_hidden=512),
+    "olmo3-30m": dict(d_model=256, n_layers=4, n_heads=8, mlp_hidden=768),
+    "olmo3-60m": dict(d_model=384, n_layers=8, n_heads=8, mlp_hidden=1536),
+    "olmo3-190m": dict(d_model=768, n_layers=12, n_heads=12, mlp_hidden=3072),
+    "olmo3-1b": dict(d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192),
+    "olmo3-7b": dict(d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008),
+    # Co-design variant of the first report: 16 heads x head_dim 256 fills a 256x256
+    # matrix unit; same parameter count and FLOPs as 32 x 128.
+    "olmo3-7b-h16": dict(d_model=4096, n_layers=32, n_heads=16, mlp_hidden=11008),
+    "olmo3-32b": dict(d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8, mlp_hidden=27648),
+}
+
+# Tiny specs for tests and the default toy run: small vocab so that the embedded
+# sample tokenizer (vocab 4096) fits; a window of 32 so sequences >= 64 use both kinds.
+_TINY_COMMON: dict[str, Any] = dict(
+    vocab_size=4096,
+    padded_vocab_size=4096,
+    eos_token_id=0,
+    pad_token_id=1,
+    sliding_window=32,
+    max_position_embeddings=4096,
+)
+_TINY: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=64, n_layers=4, n_heads=4, mlp_hidden=192, **_TINY_COMMON),
+    "tiny-gqa": dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, mlp_hidden=192, **_TINY_COMMON),
+    "tiny-yarn": dict(
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        mlp_hidden=192,
+        yarn=dict(factor=4.0, original_max_position_embeddings=64, beta_fast=32.0, beta_slow=1.0),
+        **{**_TINY_COMMON, "sliding_window": 16},
+    ),
+    "small": dict(d_model=128, n_layers=4, n_heads=4, mlp_hidden=384, **_TINY_COMMON),
+    "tiny-moe": dict(
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        mlp_hidden=192,
+        moe=dict(n_experts=8, top_k=4, expert_hidden=64, n_shared_experts=1),
+        **_TINY_COMMON,
+    ),
+    "small-moe-64": dict(
+        d_model=128,
+        n_layers=4,
+        n_heads=4,
+        mlp_hidden=384,
+        moe=dict(n_experts=64, top_k=4, expert_hidden=64, n_shared_experts=1),
+        **_TINY_COMMON,
+    ),
+}
+
+PRESETS: dict[str, dict[str, Any]] = {**_OLMO3, **_TINY}
+
+
+class SpecError(ValueError):
+    """A spec that cannot be built; the message names the field and the fix."""
+
+
+def _one_line(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "spec"
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(ModelSpec.model_fields)
+        msg = f"unknown field '{loc}'; remove it or use one of: {allowed}"
+    elif loc != "spec" and loc not in msg:
+        msg = f"field '{loc}': {msg}"
+    return f"{source}: {msg}"
+
+
+def spec_from_dict(data: dict[str, Any], source: str = "spec") -> ModelSpec:
+    """Validate a dict into a ModelSpec; a preset name under key ``preset`` is the base."""
+    data = dict(data)
+    base = data.pop("preset", None)
+    if base is not None:
+        merged = {**preset_dict(base), **data}
+        data = merged
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(_one_line(err, source)) from None
+
+
+def preset_dict(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise SpecError(
+            f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)} "
+            "(or pass a YAML/JSON spec file)"
+        )
+    return {"name": name, **PRESETS[name]}
+
+
+def get_preset(name: str) -> ModelSpec:
+    return spec_from_dict(preset_dict(name), source=f"preset {name}")
+
+
+def load_spec(preset_or_file: str | Path) -> ModelSpec:
+    """A preset name, or a YAML/JSON file holding a spec (optionally ``preset: NAME`` plus overrides)."""
+    text = str(preset_or_file)
+    if text in PRESETS:
+        return get_preset(text)
+    path = Path(text)
+    if not path.exists():
+        if path.suffix in (".yaml", ".yml", ".json"):
+            raise SpecError(f"{path}: spec file not found; check the path")
+        preset_dict(text)  # raises the unknown-preset error
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: a spec file must hold a mapping of ModelSpec fields")
+    if "model" in data and isinstance(data["model"], dict) and len(data) == 1:
+        data = data["model"]
+    return spec_from_dict(data, source=str(path))
