@@ -120,7 +120,10 @@ def load_spec(preset_or_file: str | Path) -> ModelSpec:
         if path.suffix in (".yaml", ".yml", ".json"):
             raise SpecError(f"{path}: spec file not found; check the path")
         preset_dict(text)  # raises the unknown-preset error
-    data = yaml.safe_load(path.read_text())
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML/JSON ({str(err).splitlines()[0]}); fix the file's syntax") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a spec file must hold a mapping of ModelSpec fields")
     if "model" in data and isinstance(data["model"], dict) and len(data) == 1:

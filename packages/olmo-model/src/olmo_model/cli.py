@@ -1,0 +1,103 @@
+"""The `olmo-model` command: describe a model spec, list the presets.
+
+    uv run --frozen olmo-model describe olmo3-7b                 # rich tables, seq len 8192
+    uv run --frozen olmo-model describe my_spec.yaml --seq-len 65536 --json
+    uv run --frozen olmo-model presets
+
+`describe` prints the resolved spec, parameter counts (total, non-embedding, active),
+training FLOPs per token at the sequence length (sliding-window exact), and the memory of
+weights, gradients and AdamW state. A bad preset or spec file is one line on stderr and
+exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from .maths import describe
+from .presets import PRESETS, SpecError, get_preset, load_spec
+
+DEFAULT_SEQ_LEN = 8192  # Olmo 3 stage 1 sequence length
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="olmo-model", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("describe", help="parameter counts, FLOPs per token and memory of a spec")
+    d.add_argument("spec", metavar="PRESET_OR_SPEC_FILE", help="a preset name or a YAML/JSON spec file")
+    d.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="sequence length for FLOPs (default 8192)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    sub.add_parser("presets", help="list the named presets")
+    return parser
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def _print_description(info: dict, console: Console) -> None:
+    spec_table = Table(title=f"spec {info['spec'].get('name') or ''}".strip(), show_header=False)
+    for key, value in info["spec"].items():
+        spec_table.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+    console.print(spec_table)
+
+    numbers = Table(title=f"maths at seq_len {info['seq_len']}", show_header=False)
+    numbers.add_row("params total", f"{info['params_total']:,}")
+    numbers.add_row("params non-embedding", f"{info['params_non_embedding']:,}")
+    numbers.add_row("params active per token", f"{info['params_active']:,}")
+    numbers.add_row("params embedding + head", f"{info['params_embedding']:,}")
+    numbers.add_row("training FLOPs per token", f"{info['flops_per_token']:.4e}")
+    numbers.add_row("  of which attention", f"{info['attention_flops_per_token']:.4e}")
+    numbers.add_row("layers sliding / global", f"{info['layers_sliding']} / {info['layers_global']}")
+    console.print(numbers)
+
+    memory = Table(title="training state memory (AdamW moments fp32)")
+    memory.add_column("params")
+    for column in ("weights", "gradients", "adamw_state", "total"):
+        memory.add_column(column, justify="right")
+    for label, key in (("fp32", "memory_fp32"), ("bf16", "memory_bf16_params_fp32_adam")):
+        row = info[key]
+        memory.add_row(label, *(_gib(row[c]) for c in ("weights", "gradients", "adamw_state", "total")))
+    console.print(memory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    if args.command == "presets":
+        table = Table(title="presets")
+        for column in ("name", "d_model", "layers", "heads", "kv heads", "MLP hidden", "MoE"):
+            table.add_column(column)
+        for name in PRESETS:
+            spec = get_preset(name)
+            moe = f"{spec.moe.n_experts}e top-{spec.moe.top_k}" if spec.moe else "-"
+            table.add_row(
+                name, str(spec.d_model), str(spec.n_layers), str(spec.n_heads), str(spec.kv_heads),
+                str(spec.mlp_hidden), moe,
+            )
+        console.print(table)
+        return 0
+
+    if args.seq_len <= 0:
+        print(f"olmo-model describe: --seq-len {args.seq_len} must be a positive number of tokens", file=sys.stderr)
+        return 2
+    try:
+        spec = load_spec(args.spec)
+    except (SpecError, OSError) as err:
+        print(f"olmo-model describe: {err}", file=sys.stderr)
+        return 2
+    info = describe(spec, args.seq_len)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        _print_description(info, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The Olmo 3 decoder in Flax NNX, built from an ``olmo_model.ModelSpec``.
+
+Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
+
+- reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
+  norms; a final RMSNorm, then an untied output head over the padded vocabulary;
+- QK-norm over the full projected width, before the head split and before RoPE
+  (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
+- RoPE in the rotate-half layout, inverse frequencies in float32 as transformers computes
+  them; YaRN (with its attention factor on cos/sin) on full_attention layers only;
+- GQA; attention through ``jax.nn.dot_product_attention`` with a boolean mask that holds the
+  causal band, the sliding window of that layer and, optionally, document boundaries;
+- SwiGLU MLP; no biases anywhere.
+
+Parameter layout: the per-layer weights are STACKED along a leading ``n_layers`` axis
+(``model.layers.q_proj`` is [n_layers, d_model, q_width]) and the block runs under
+``jax.lax.scan``. One traced block keeps compile time flat in depth, and the layer axis is a
+plain array axis that a sharding module can leave replicated or split (pipeline stages)
+without touching this file. Because the block is traced once, a layer's attention kind
+enters as data: a per-layer window length (global layers get an unreachable window) and a
+per-layer flag choosing the YaRN or the plain RoPE table, so any explicit layer pattern works.
+
+Linear weights are (in, out) kernels, the JAX convention; ``hf_adapter`` transposes to and
+from transformers' (out, in). Parameters live in ``param_dtype`` (float32 master weights);
+the forward casts each layer's weights to the compute ``dtype`` as the scan reaches it.
+RMSNorm and RoPE compute in float32; logits come back in float32 for the loss. This module
+holds no sharding: a trainer's sharding module places the parameters from outside.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from olmo_model import FULL, ModelSpec, YarnSpec
+
+# "none": keep every activation; "block": keep only each layer's input and recompute the
+# block in the backward pass; "save_dots": also keep the weight-matmul outputs, recomputing
+# only cheap elementwise work and attention (its [S, S] scores are what is worth dropping).
+REMAT_POLICIES: dict[str, object] = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+# A global layer's "window": larger than any query-key distance, so the band never cuts.
+_NO_WINDOW = np.iinfo(np.int32).max
+
+
+def _truncated_normal(rngs: nnx.Rngs, shape: tuple[int, ...], spec: ModelSpec, dtype) -> nnx.Param:
+    cut = spec.init_cutoff
+    return nnx.Param(jax.random.truncated_normal(rngs.params(), -cut, cut, shape, dtype) * spec.init_std)
+
+
+def _ones(shape: tuple[int, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype))
+
+
+def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies (float32, [head_dim // 2]) and the cos/sin scale for one layer kind.
+
+    Follows transformers' default and ``_compute_yarn_parameters`` (modeling_rope_utils.py),
+    including the float32 arithmetic and the floor/ceil truncation of the correction range."""
+    dim = spec.head_dim
+    pos_freqs = np.float32(spec.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if yarn is None:
+        return inv_freq, 1.0
+    base, orig = spec.rope_theta, yarn.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the original context.
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
+    extrapolation = np.float32(1.0) - ramp  # 1: keep the original frequency (high-frequency dims)
+    interpolated = (np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)).astype(np.float32)
+    inv_freq = (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
+    if yarn.attention_factor is not None:
+        scale = yarn.attention_factor
+    else:
+        scale = 0.1 * math.log(yarn.factor) + 1.0  # YaRN paper's sqrt(1/t), transformers' default
+    return inv_freq, scale
+
+
+def _cos_sin(inv_freq: np.ndarray, scale: float, seq_len: int) -> tuple[jax.Array, jax.Array]:
+    freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    angles = jnp.concatenate([freqs, freqs], axis=-1)  # rotate-half layout: [S, head_dim]
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, S, heads, head_dim]; cos/sin [S, head_dim] float32."""
+    xf = x.astype(jnp.float32)
+    half = xf.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in float32, returned in x's dtype (as transformers' Olmo3RMSNorm)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+class StackedLayers(nnx.Module):
+    """All decoder layers' weights, each with a leading n_layers axis."""
+
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, param_dtype):
+        L, d, h = spec.n_layers, spec.d_model, spec.mlp_hidden
+        self.q_proj = _truncated_normal(rngs, (L, d, spec.q_width), spec, param_dtype)
+        self.k_proj = _truncated_normal(rngs, (L, d, spec.kv_width), spec, param_dtype)
+        self.v_proj = _truncated_normal(rngs, (L, d, spec.kv_width), spec, param_dtype)
+        self.o_proj = _truncated_normal(rngs, (L, spec.q_width, d), spec, param_dtype)
+        if spec.qk_norm == "full":
+            self.q_norm = _ones((L, spec.q_width), param_dtype)
+            self.k_norm = _ones((L, spec.kv_width), param_dtype)
+        elif spec.qk_norm == "per_head":
+            self.q_norm = _ones((L, spec.head_dim), param_dtype)
+            self.k_norm = _ones((L, spec.head_dim), param_dtype)
+        self.post_attention_norm = _ones((L, d), param_dtype)
+        self.gate_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
+        self.up_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
+        self.down_proj = _truncated_normal(rngs, (L, h, d), spec, param_dtype)
+        self.post_feedforward_norm = _ones((L, d), param_dtype)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The stacked weights as a plain dict, the pytree that lax.scan slices per layer."""
+        return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
+
+
+class OlmoModel(nnx.Module):
+    """Olmo 3 decoder: ``model(input_ids [B, S] int32, doc_ids=None) -> logits [B, S, padded_vocab]``."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype=jnp.float32,
+        dtype=jnp.float32,
+        remat: str = "none",
+    ):
+        if spec.moe is not None:
+            raise NotImplementedError(
+                f"spec '{spec.name}' has moe set; MoE blocks in the JAX model are issue 8, "
+                "use a dense spec (moe: null) for now"
+            )
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat='{remat}' is unknown; use one of: {', '.join(REMAT_POLICIES)}")
+        self.spec = spec
+        self.param_dtype = jnp.dtype(param_dtype)
+        self.dtype = jnp.dtype(dtype)
+        self.remat = remat
+        V, d = spec.padded_vocab_size, spec.d_model
+        self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
+        self.layers = StackedLayers(spec, rngs, param_dtype)
+        self.final_norm = _ones((d,), param_dtype)
+        self.lm_head = _truncated_normal(rngs, (d, V), spec, param_dtype)
+
+    def __call__(self, input_ids: jax.Array, doc_ids: jax.Array | None = None) -> jax.Array:
+        """Logits (float32) for every position. ``doc_ids`` [B, S]: a query attends only to keys
+        of its own document; positions are not reset, as RoPE scores depend only on distance."""
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(f"doc_ids shape {doc_ids.shape} differs from input_ids shape {input_ids.shape}")
+        # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run
+        # float32 matmuls with bf16/tf32 passes); this is the parity mode.
+        if self.dtype != jnp.float32:
+            return self._forward(input_ids, doc_ids)
+        with jax.default_matmul_precision("highest"):
+            return self._forward(input_ids, doc_ids)
+
+    def _forward(self, input_ids: jax.Array, doc_ids: jax.Array | None) -> jax.Array:
+        spec, dtype = self.spec, self.dtype
+        seq_len = input_ids.shape[1]
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
+
+        sliding = _cos_sin(*rope_inv_freq(spec, None), seq_len)
+        full = _cos_sin(*rope_inv_freq(spec, spec.yarn), seq_len)
+        pos = jnp.arange(seq_len, dtype=jnp.int32)
+        distance = pos[:, None] - pos[None, :]  # query minus key
+        allowed = distance >= 0  # [S, S] causal
+        if doc_ids is None:
+            allowed = allowed[None, None]
+        else:
+            allowed = allowed[None, None] & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+
+        windows = jnp.asarray([spec.window_of(i) or _NO_WINDOW for i in range(spec.n_layers)], jnp.int32)
+        is_full = jnp.asarray([kind == FULL for kind in spec.layer_types])
+
+        def block(h, layer):
+            weights, window, full_layer = layer
+            cos = jnp.where(full_layer, full[0], sliding[0])
+            sin = jnp.where(full_layer, full[1], sliding[1])
+            mask = allowed & (distance < window)[None, None]
+            return self._block(h, weights, cos, sin, mask), None
+
+        if REMAT_POLICIES[self.remat] is not None:
+            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        x, _ = jax.lax.scan(block, x, (self.layers.arrays(), windows, is_full))
+
+        x = rms_norm(x, self.final_norm[...], spec.norm_eps)
+        return jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+
+    def _block(self, x, w, cos, sin, mask):
+        spec, dtype = self.spec, self.dtype
+        B, S, _ = x.shape
+        eps = spec.norm_eps
+
+        def proj(a, name):
+            return a @ w[name].astype(dtype)
+
+        q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
+        if spec.qk_norm == "full":
+            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+        q = q.reshape(B, S, spec.n_heads, spec.head_dim)
+        k = k.reshape(B, S, spec.kv_heads, spec.head_dim)
+        v = v.reshape(B, S, spec.kv_heads, spec.head_dim)
+        if spec.qk_norm == "per_head":
+            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        # GQA: dot_product_attention groups query heads over the kv heads itself.
+        attn = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=None)
+        h = x + rms_norm(proj(attn.reshape(B, S, spec.q_width), "o_proj"), w["post_attention_norm"], eps)
+
+        mlp = proj(jax.nn.silu(proj(h, "gate_proj")) * proj(h, "up_proj"), "down_proj")
+        return h + rms_norm(mlp, w["post_feedforward_norm"], eps)
+
+
+def build_model(
+    spec: ModelSpec,
+    *,
+    seed: int = 0,
+    param_dtype=jnp.float32,
+    dtype=jnp.float32,
+    remat: str = "none",
+) -> OlmoModel:
+    """A freshly initialised model: truncated normal (std ``init_std``, cut at
+    +-``init_cutoff`` std) for every linear and the embedding, ones for the norms."""
+    return OlmoModel(spec, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype, remat=remat)

@@ -1,0 +1,125 @@
+"""The one place mapping transformers' Olmo3 parameter names to ``OlmoModel``'s state dict.
+
+HF names and shapes come from ``olmo_model.hf_param_shapes(spec)``; every tensor is
+checked (present, expected, right shape, right vocab) before anything is copied, so a
+bad checkpoint leaves the model untouched and raises one ``CheckpointMismatchError``
+line naming the tensor, what was expected, what was found and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from olmo_model import ModelSpec, hf_param_shapes
+
+from .model import OlmoModel
+
+# HF name piece -> our module path piece, inside "model.layers.N." / "blocks.N.".
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attn.q_proj.weight",
+    "self_attn.k_proj.weight": "attn.k_proj.weight",
+    "self_attn.v_proj.weight": "attn.v_proj.weight",
+    "self_attn.o_proj.weight": "attn.o_proj.weight",
+    "self_attn.q_norm.weight": "attn.q_norm.weight",
+    "self_attn.k_norm.weight": "attn.k_norm.weight",
+    "post_attention_layernorm.weight": "attn_norm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+    "post_feedforward_layernorm.weight": "mlp_norm.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint that does not fit the spec; the message names the tensor and the fix."""
+
+
+def _local_name(hf_name: str) -> str:
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # "model.layers.N.rest"
+    return f"blocks.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def hf_to_local_names(spec: ModelSpec) -> dict[str, str]:
+    """HF name -> OlmoModel state-dict name, for every parameter of ``spec``, in HF order."""
+    return {name: _local_name(name) for name in hf_param_shapes(spec)}
+
+
+def to_hf(model_or_state_dict: OlmoModel | Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """The model's parameters under HF names (detached, same dtype/device, not copied)."""
+    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, OlmoModel) else model_or_state_dict
+    out = {}
+    for hf_name, local in hf_to_local_names(spec).items():
+        if local not in state:
+            raise CheckpointMismatchError(
+                f"to_hf: state dict has no '{local}' (HF '{hf_name}'); pass the state dict of an OlmoModel built from this spec"
+            )
+        out[hf_name] = state[local].detach()
+    return out
+
+
+def _check(spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], strict: bool) -> None:
+    expected = hf_param_shapes(spec)
+    for name, shape in expected.items():
+        if name not in tensors:
+            if strict:
+                raise CheckpointMismatchError(
+                    f"missing tensor '{name}' (expected shape {shape}); the checkpoint does not match spec "
+                    f"'{spec.name}': load the checkpoint with its own config.json spec, or pass strict=False"
+                )
+            continue
+        got = tuple(tensors[name].shape)
+        if got == shape:
+            continue
+        if name in _VOCAB_TENSORS and got[1:] == shape[1:]:
+            raise CheckpointMismatchError(
+                f"vocab mismatch in '{name}': checkpoint has {got[0]} rows, spec padded_vocab_size is "
+                f"{spec.padded_vocab_size}; set padded_vocab_size (and vocab_size) to the checkpoint's tokenizer"
+            )
+        raise CheckpointMismatchError(
+            f"tensor '{name}' has shape {got}, expected {shape} for spec '{spec.name}'; "
+            "the checkpoint was written for another model size: use its config.json spec"
+        )
+    if strict:
+        unexpected = [name for name in tensors if name not in expected]
+        if unexpected:
+            raise CheckpointMismatchError(
+                f"unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all) not in spec '{spec.name}'; "
+                "the checkpoint has parameters this model lacks: check n_layers/qk_norm/moe, or pass strict=False"
+            )
+
+
+@torch.no_grad()
+def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray | torch.Tensor], *, strict: bool = True) -> None:
+    """Copy HF-named tensors into ``model`` (cast to each parameter's dtype and device).
+
+    All names and shapes are validated first. ``strict=False`` skips missing tensors and
+    ignores unexpected ones; a wrong shape is always an error."""
+    _check(model.spec, tensors, strict)
+    params = model.state_dict()
+    for hf_name, local in hf_to_local_names(model.spec).items():
+        if hf_name in tensors:
+            value = tensors[hf_name]
+            if isinstance(value, np.ndarray):
+                value = torch.from_numpy(np.ascontiguousarray(value))
+            params[local].copy_(value)
+
+
+def model_from_hf(
+    spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], dtype: torch.dtype = torch.float32
+) -> OlmoModel:
+    """A CPU model holding exactly the given HF weights (no random init is spent on it)."""
+    with torch.device("meta"):
+        model = OlmoModel(spec)
+    model.to_empty(device="cpu").to(dtype)
+    load_hf(model, tensors, strict=True)
+    return model

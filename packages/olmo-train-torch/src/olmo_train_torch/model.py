@@ -1,0 +1,253 @@
+"""The Olmo 3 decoder in PyTorch, built from an ``olmo_model.ModelSpec``.
+
+Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
+
+- untied token embedding ``embed`` and output head ``lm_head`` over the padded vocab;
+- reordered-norm blocks, no input norms:
+  ``h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h))``; a final RMSNorm;
+- RMSNorm computes in float32 and casts back to the input dtype;
+- QK-norm over the full projected width before splitting heads and before RoPE
+  (``qk_norm="full"``, Olmo 3), or per head (``"per_head"``), or none;
+- RoPE in the rotate-half layout, inverse frequencies in float32; YaRN (with its
+  cos/sin attention factor) on full-attention layers only when ``spec.yarn`` is set;
+- grouped-query attention through ``scaled_dot_product_attention``: global layers
+  use ``is_causal=True`` (the fused flash/cuDNN path on GPU); sliding layers pass a
+  boolean band mask (key k is visible to query q when q - window < k <= q);
+  optional ``doc_ids`` also hide keys of other documents (every layer then uses a mask);
+- SwiGLU MLP with separate gate/up/down projections; no biases anywhere.
+
+Module layout (names map 1:1 to the HF layout in ``hf_adapter``): ``embed``,
+``blocks`` (one ``Block`` per layer, the unit a parallelize module shards or
+checkpoints), ``norm``, ``lm_head``. RoPE tables and masks are not buffers: they are
+computed from the spec on the input's device and cached, so a model built on the
+meta device and materialised with ``to_empty`` needs no re-initialisation of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from olmo_model import ModelSpec, YarnSpec
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics whatever the activation dtype, as transformers' Olmo3RMSNorm.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float32, head_dim/2) and the cos/sin scale for one layer kind.
+
+    YaRN follows transformers' ``_compute_yarn_parameters``: frequencies rotating more
+    than beta_fast times over the original context keep their value, those rotating
+    fewer than beta_slow times are divided by ``factor``, with a linear ramp between
+    (boundaries floored/ceiled); cos/sin are scaled by 0.1 ln(factor) + 1 unless given."""
+    dim = spec.head_dim
+    base = spec.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    inv_freq = 1.0 / pos_freqs
+    if yarn is None:
+        return inv_freq, 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided by factor)
+    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - keep) + inv_freq * keep
+    scale = yarn.attention_factor if yarn.attention_factor is not None else 0.1 * math.log(yarn.factor) + 1.0
+    return inv_freq, scale
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # cos/sin are float32, so the rotation runs in float32 and is cast back (as transformers).
+    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        d = spec.d_model
+        self.n_heads, self.n_kv_heads, self.head_dim = spec.n_heads, spec.kv_heads, spec.head_dim
+        self.qk_norm = spec.qk_norm
+        self.q_proj = nn.Linear(d, spec.q_width, bias=False)
+        self.k_proj = nn.Linear(d, spec.kv_width, bias=False)
+        self.v_proj = nn.Linear(d, spec.kv_width, bias=False)
+        self.o_proj = nn.Linear(spec.q_width, d, bias=False)
+        if spec.qk_norm == "full":
+            self.q_norm = RMSNorm(spec.q_width, spec.norm_eps)
+            self.k_norm = RMSNorm(spec.kv_width, spec.norm_eps)
+        elif spec.qk_norm == "per_head":
+            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.n_heads, self.head_dim)
+        k = k.view(b, s, self.n_kv_heads, self.head_dim)
+        v = v.view(b, s, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.d_model, spec.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(spec.d_model, spec.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(spec.mlp_hidden, spec.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """One reordered-norm decoder layer; its attention kind and RoPE come from the caller."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.attn = Attention(spec)
+        self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.mlp = MLP(spec)
+        self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+        return h + self.mlp_norm(self.mlp(h))
+
+
+class OlmoModel(nn.Module):
+    """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None) -> logits [B,S,padded_vocab]``."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        if spec.moe is not None:
+            raise NotImplementedError(
+                f"MoE spec '{spec.name}': the torch MoE block arrives with issue 8; use a dense spec (moe: null)"
+            )
+        self.spec = spec
+        self.embed = nn.Embedding(spec.padded_vocab_size, spec.d_model)
+        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.lm_head = nn.Linear(spec.d_model, spec.padded_vocab_size, bias=False)
+        # Derived tensors, keyed by (kind, seq, window/None, device); never parameters or buffers.
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._mask_cache: dict[tuple, torch.Tensor] = {}
+
+    # ---- derived tables -------------------------------------------------------------
+    def _rope(self, layer: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        yarn = self.spec.rope_yarn_of(layer)
+        key = (yarn is not None, seq, device)
+        if key not in self._rope_cache:
+            inv_freq, scale = rope_inv_freq(self.spec, yarn)
+            freqs = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._rope_cache[key] = (emb.cos() * scale, emb.sin() * scale)
+        return self._rope_cache[key]
+
+    def _band(self, seq: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """[S, S] boolean: key k visible to query q iff q - window < k <= q (window None: k <= q)."""
+        key = (seq, window, device)
+        if key not in self._mask_cache:
+            q = torch.arange(seq, device=device)[:, None]
+            k = torch.arange(seq, device=device)[None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed &= k > q - window
+            self._mask_cache[key] = allowed
+        return self._mask_cache[key]
+
+    def _mask(
+        self, window: int | None, seq: int, device: torch.device, same_doc: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        if same_doc is None:
+            if window is None or window >= seq:
+                return None  # plain causal: is_causal=True keeps the fused kernels
+            return self._band(seq, window, device)
+        return self._band(seq, window, device) & same_doc
+
+    # ---- forward / init ---------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits in the parameter dtype. ``doc_ids`` [B,S] (any integer labels, equal
+        within a document) restricts attention to the query's own document; RoPE positions
+        keep counting across documents (Olmo-core style)."""
+        _, seq = input_ids.shape
+        device = input_ids.device
+        same_doc = None
+        if doc_ids is not None:
+            if doc_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"doc_ids has shape {tuple(doc_ids.shape)} but input_ids has {tuple(input_ids.shape)}; "
+                    "pass one document label per token"
+                )
+            same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # [B,1,S,S]
+        masks = {w: self._mask(w, seq, device, same_doc) for w in {self.spec.window_of(i) for i in range(len(self.blocks))}}
+        x = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            cos, sin = self._rope(i, seq, device)
+            x = block(x, cos, sin, masks[self.spec.window_of(i)])
+        return self.lm_head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Truncated normal (std spec.init_std, cut at +-init_cutoff*std) for every Linear
+        and the embedding; norms to ones. Values are drawn on the CPU in float32 in module
+        order from one generator, so a seed gives the same weights on any device/dtype."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std, cut = self.spec.init_std, self.spec.init_cutoff * self.spec.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                w = torch.empty(module.weight.shape, dtype=torch.float32)
+                nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cut, b=cut, generator=gen)
+                module.weight.copy_(w)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+
+def build_model(
+    spec: ModelSpec, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> OlmoModel:
+    """An initialised model: structure on the meta device, storage on ``device``, then init."""
+    with torch.device("meta"):
+        model = OlmoModel(spec)
+    model.to_empty(device=device).to(dtype)
+    model.init_weights(seed)
+    return model
