@@ -36,8 +36,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+def _bytes(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:,.2f} GiB"
+    return f"{n / 2**20:,.2f} MiB"
 
 
 def _print_description(info: dict, console: Console) -> None:
@@ -62,7 +64,7 @@ def _print_description(info: dict, console: Console) -> None:
         memory.add_column(column, justify="right")
     for label, key in (("fp32", "memory_fp32"), ("bf16", "memory_bf16_params_fp32_adam")):
         row = info[key]
-        memory.add_row(label, *(_gib(row[c]) for c in ("weights", "gradients", "adamw_state", "total")))
+        memory.add_row(label, *(_bytes(row[c]) for c in ("weights", "gradients", "adamw_state", "total")))
     console.print(memory)
 
 

@@ -131,7 +131,8 @@ _ALIASES: list[tuple[str, str]] = [
     (r"b200", "b200"),
     (r"b300", "b300"),
     (r"a100", "a100"),
-    (r"v5p|v5 ?p", "v5p"),
+    # JAX calls v5p "TPU v5" (and v5e "TPU v5 lite", which has no entry here).
+    (r"v5p|v5 ?p|^tpu v5$", "v5p"),
     (r"v6e|v6 ?lite|trillium", "v6e"),
     (r"tpu ?7x|ironwood|tpu7", "tpu7x"),
 ]

@@ -297,6 +297,10 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
             if key not in Recipe.model_fields:
                 _set_dotted({}, key, None, source)  # raises the unknown-key error with a hint
         tree = loaded
+        mixture = (tree.get("data") or {}).get("mixture")
+        if isinstance(mixture, str) and mixture != "sample" and not Path(mixture).is_absolute():
+            # a mixture named in a recipe file is relative to that file, like paths in a mixture
+            tree = {**tree, "data": {**tree["data"], "mixture": str((p.parent / mixture).resolve())}}
     over: dict[str, Any] = {}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(over, key, value, "command line")

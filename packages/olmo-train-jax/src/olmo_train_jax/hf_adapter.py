@@ -65,7 +65,7 @@ def to_hf(model: OlmoModel, spec: ModelSpec) -> dict[str, np.ndarray]:
             assert match is not None, name  # hf_param_shapes only yields top-level and layer names
             attr, transposed = _LAYER[match[2]]
             value = np.asarray(jax.device_get(getattr(model.layers, attr)[int(match[1])]))
-        out[name] = np.ascontiguousarray(value.T if transposed else value)
+        out[name] = np.array(value.T if transposed else value, order="C")  # an owned, writable copy
     return out
 
 
@@ -121,14 +121,14 @@ def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray]) -> None:
         return value.T if transposed else value
 
     for name, (attr, transposed) in _TOP.items():
-        getattr(model, attr).value = jnp.asarray(as_param(tensors[name], transposed), dtype)
+        getattr(model, attr)[...] = jnp.asarray(as_param(tensors[name], transposed), dtype)
     for suffix, (attr, transposed) in _LAYER.items():
         if not hasattr(model.layers, attr):  # q_norm / k_norm are absent with qk_norm="none"
             continue
         stacked = np.stack(
             [as_param(tensors[f"model.layers.{i}.{suffix}"], transposed) for i in range(spec.n_layers)]
         )
-        getattr(model.layers, attr).value = jnp.asarray(stacked, dtype)
+        getattr(model.layers, attr)[...] = jnp.asarray(stacked, dtype)
 
 
 def model_from_hf(

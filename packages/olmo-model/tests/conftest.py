@@ -1,4 +1,5 @@
-"""Run transformers' Olmo 3 / OLMoE code in true float64 for the reference comparisons.
+"""Fixtures that run transformers' Olmo 3 / OLMoE code in true float64 for the reference
+comparisons.
 
 transformers keeps three computations in float32 even after ``model.double()``: RMSNorm
 upcasts to float32, the RoPE tables are built from float32 frequencies, and the OLMoE
@@ -9,17 +10,19 @@ other line (block order, QK-norm placement, masks, GQA, expert dispatch) is tran
 
 from __future__ import annotations
 
-import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.olmo3 import modeling_olmo3
+from transformers.models.olmoe import modeling_olmoe
 
 
-def rms_norm_float64(self, hidden_states):
+def _rms_norm_float64(self, hidden_states):
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def olmo3_rope_float64(self, x, position_ids, layer_type):
+def _olmo3_rope_float64(self, x, position_ids, layer_type):
     inv_freq = getattr(self, f"{layer_type}_inv_freq").to(torch.float64)
     scale = getattr(self, f"{layer_type}_attention_scaling")
     freqs = position_ids[..., None].to(torch.float64) * inv_freq
@@ -27,7 +30,7 @@ def olmo3_rope_float64(self, x, position_ids, layer_type):
     return emb.cos() * scale, emb.sin() * scale
 
 
-def olmoe_router_float64(self, hidden_states):
+def _olmoe_router_float64(self, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     router_probs = torch.softmax(router_logits, dim=-1)
@@ -37,5 +40,12 @@ def olmoe_router_float64(self, hidden_states):
     return router_logits, top_value, top_index
 
 
-def to_torch(params: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    return {name: torch.from_numpy(np.asarray(value, dtype=np.float64)) for name, value in params.items()}
+@pytest.fixture
+def olmo3_float64(monkeypatch):
+    monkeypatch.setattr(modeling_olmo3.Olmo3RMSNorm, "forward", _rms_norm_float64)
+    monkeypatch.setattr(modeling_olmo3.Olmo3RotaryEmbedding, "forward", _olmo3_rope_float64)
+
+
+@pytest.fixture
+def olmoe_float64(monkeypatch):
+    monkeypatch.setattr(modeling_olmoe.OlmoeTopKRouter, "forward", _olmoe_router_float64)

@@ -1,0 +1,202 @@
+"""The `olmo-data` command line.
+
+    olmo-data inspect MIX [--json]
+    olmo-data batches MIX --start S --count N [--global-batch B] [--dp-size R --dp-rank r] [--digest]
+    olmo-data check-leakage MIX [--json] [--allow]
+    olmo-data tokenize ...    (olmo_data.tokenize)
+    olmo-data sample ...      (olmo_data.sample)
+
+MIX is a mixture YAML path or `sample`. Example: `uv run --frozen olmo-data inspect sample`.
+
+Batch digests (`batches --digest`): each row's digest is the sha256 of (step, global row
+index, as int64 little-endian) followed by that row's input_ids, labels, doc_ids and
+positions as int32 little-endian; a line's digest is the sum of its rows' digests modulo
+2**256, in hex. It is order-sensitive (the row index is hashed) and additive, so the
+digests that R ranks print for a step add up (`combine_digests`) to the global digest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from olmo_data.errors import DataError
+from olmo_data.leakage import LeakageError, assert_no_leakage
+from olmo_data.loader import MixtureLoader
+from olmo_data.mixture import Mixture, load_mixture
+from olmo_data.order import BATCH_KEYS
+
+_DIGEST_MODULUS = 1 << 256
+
+
+def batch_digest(batch: dict[str, np.ndarray], step: int, first_row: int) -> str:
+    """The additive digest (module docstring) of rows first_row.. of global batch `step`."""
+    total = 0
+    for r in range(batch["input_ids"].shape[0]):
+        h = hashlib.sha256(np.array([step, first_row + r], "<i8").tobytes())
+        for k in BATCH_KEYS:
+            h.update(np.ascontiguousarray(batch[k][r], "<i4").tobytes())
+        total += int.from_bytes(h.digest(), "big")
+    return f"{total % _DIGEST_MODULUS:064x}"
+
+
+def combine_digests(digests: list[str]) -> str:
+    """The digest of the union of disjoint row sets (e.g. all ranks of one step)."""
+    return f"{sum(int(d, 16) for d in digests) % _DIGEST_MODULUS:064x}"
+
+
+def describe(mixture: Mixture) -> dict[str, Any]:
+    """Per-source numbers for `inspect`: sizes, target vs realised ratio, epochs."""
+    order = mixture.order
+    slots = mixture.slots_per_epoch()
+    instances = mixture.num_instances()
+    caps = mixture.max_instances()
+    weights = [s.ratio if s.ratio is not None else s.tokens for s in mixture.config.sources]
+    sources = []
+    for i, (cfg, src) in enumerate(zip(mixture.config.sources, mixture.training_sources)):
+        sources.append(
+            {
+                "name": cfg.name,
+                "files": len(mixture.training_files[i]),
+                "tokens": src.num_tokens,
+                "docs": src.num_docs,
+                "instances": instances[i],
+                "target_ratio": weights[i] / sum(weights),
+                "realised_ratio": slots[i] / order.epoch_size,
+                "source_epochs_per_mixture_epoch": slots[i] / instances[i],
+                "max_repetition": cfg.max_repetition,
+                "mixture_epochs_allowed": None if caps[i] is None else caps[i] / max(1, slots[i]),
+            }
+        )
+    held = [
+        {"name": name, "tokens": src.num_tokens, "docs": src.num_docs, "instances": src.num_tokens // mixture.sequence_length,
+         "eval_sequences": mixture.config.eval.sequences_per_source}
+        for name, src in mixture.held_out_sources.items()
+    ]
+    return {
+        "mixture": str(mixture.path),
+        "name": mixture.config.name,
+        "fingerprint": mixture.fingerprint(),
+        "seed": mixture.seed,
+        "sequence_length": mixture.sequence_length,
+        "instances_per_mixture_epoch": order.epoch_size,
+        "sources": sources,
+        "held_out": held,
+    }
+
+
+def _inspect(args: argparse.Namespace, console: Console) -> int:
+    info = describe(load_mixture(args.mixture))
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    console.print(f"[bold]{info['name']}[/] {info['mixture']}\nfingerprint {info['fingerprint']}  seed {info['seed']}  "
+                  f"sequence {info['sequence_length']}  instances/mixture epoch {info['instances_per_mixture_epoch']}")
+    table = Table("source", "files", "tokens", "docs", "instances", "target", "realised", "epochs/mix-epoch",
+                  "max rep", "mix-epochs allowed", title="training sources")
+    for s in info["sources"]:
+        allowed = "-" if s["mixture_epochs_allowed"] is None else f"{s['mixture_epochs_allowed']:.3g}"
+        table.add_row(s["name"], str(s["files"]), f"{s['tokens']:,}", f"{s['docs']:,}", f"{s['instances']:,}",
+                      f"{s['target_ratio']:.4f}", f"{s['realised_ratio']:.4f}",
+                      f"{s['source_epochs_per_mixture_epoch']:.3f}", str(s["max_repetition"] or "-"), allowed)
+    console.print(table)
+    held = Table("held-out source", "tokens", "docs", "instances", "eval sequences", title="held-out sources")
+    for h in info["held_out"]:
+        held.add_row(h["name"], f"{h['tokens']:,}", f"{h['docs']:,}", f"{h['instances']:,}", str(h["eval_sequences"]))
+    console.print(held)
+    return 0
+
+
+def _batches(args: argparse.Namespace, console: Console) -> int:
+    ranks = range(args.dp_size) if args.dp_rank is None else [args.dp_rank]
+    mixture = load_mixture(args.mixture)
+    loaders = [MixtureLoader(mixture, args.global_batch, r, args.dp_size) for r in ranks]
+    rows = args.global_batch // args.dp_size
+    for step in range(args.start, args.start + args.count):
+        if args.digest:
+            digests = [batch_digest(ld.batch_at(step), step, ld.dp_rank * rows) for ld in loaders]
+            print(f"{step} {combine_digests(digests)}")
+            continue
+        first = step * args.global_batch
+        for ld in loaders:
+            index = np.arange(first + ld.dp_rank * rows, first + (ld.dp_rank + 1) * rows)
+            source, within = mixture.order.instances_at(index)
+            for i, s, w in zip(index.tolist(), source.tolist(), within.tolist()):
+                print(f"step {step} rank {ld.dp_rank} instance {i}: {mixture.source_names[s]}[{w}]")
+    return 0
+
+
+def _check_leakage(args: argparse.Namespace, console: Console) -> int:
+    mixture = load_mixture(args.mixture)
+    try:
+        report = assert_no_leakage(mixture, allow=args.allow)
+        status = 0
+    except LeakageError as e:
+        console.print(f"[bold red]LEAKAGE[/] {e}", soft_wrap=True)
+        report, status = None, 1
+    if report is None:
+        from olmo_data.leakage import check_leakage
+
+        report = check_leakage(mixture)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+        return status
+    table = Table("held-out source", "docs", "exact copies", "docs with n-gram hits", "contaminated", "fraction",
+                  title=f"leakage ({report.ngram}-grams, {report.training_tokens:,} training tokens, {report.seconds:.2f} s)")
+    for h in report.held_out:
+        table.add_row(h.source, str(h.docs_checked), str(len(h.exact_matches)), str(len(h.ngram_hits)),
+                      str(len(h.contaminated_docs)), f"{h.fraction:.2%}")
+    console.print(table)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # tokenize and sample belong to their own modules, which parse their own arguments.
+    if argv and argv[0] == "tokenize":
+        from olmo_data.tokenize import tokenize_main
+
+        return tokenize_main(argv[1:])
+    if argv and argv[0] == "sample":
+        from olmo_data.sample import sample_main
+
+        return sample_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="olmo-data", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="per-source tokens, docs, target vs realised ratio, epochs, fingerprint")
+    p.add_argument("mixture")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("batches", help="print the instances or the digests of global batches")
+    p.add_argument("mixture")
+    p.add_argument("--start", type=int, default=0, help="first step")
+    p.add_argument("--count", type=int, default=1, help="number of steps")
+    p.add_argument("--global-batch", type=int, default=8, help="instances per global batch")
+    p.add_argument("--dp-size", type=int, default=1)
+    p.add_argument("--dp-rank", type=int, default=None, help="only this rank's rows (default: all ranks)")
+    p.add_argument("--digest", action="store_true", help="one additive sha256 digest per batch line")
+    p = sub.add_parser("check-leakage", help="held-out documents / n-grams found in training sources")
+    p.add_argument("mixture")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--allow", action="store_true", help="report leakage but exit 0 (loud warning)")
+    sub.add_parser("tokenize", help="tokenize text into shards (olmo-data tokenize --help)")
+    sub.add_parser("sample", help="build the embedded sample mixture (olmo-data sample --help)")
+    args = parser.parse_args(argv)
+    console = Console(stderr=args.json)
+    try:
+        return {"inspect": _inspect, "batches": _batches, "check-leakage": _check_leakage}[args.command](args, console)
+    except (DataError, ValueError) as e:
+        console.print(f"[bold red]error[/] {e}", soft_wrap=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""`MixtureLoader`: this data-parallel rank's slice of each global batch, prefetched by Grain.
+
+A batch is a pure function of the step (`batch_at(step)`); iterating runs a Grain
+`MapDataset` over step numbers from the current step, mapped through `batch_at`, with
+`ReadOptions` prefetch threads. State is {fingerprint, seed, step, tokens_consumed}, so a
+run resumes at the next global batch under any dp size that divides the global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import numpy as np
+
+from olmo_data.errors import DataError
+from olmo_data.mixture import Mixture, load_mixture
+from olmo_data.order import derive_key, feistel_permute, read_instances, round_keys
+
+log = logging.getLogger(__name__)
+
+# Step numbers the Grain dataset spans past the start; effectively unbounded (a run stops
+# at its own step count, or at RepetitionLimitError when a source's budget runs out).
+_STEP_HORIZON = 1 << 40
+
+
+class MixtureLoader:
+    """Global batches of `global_batch_size` instances; yields rank `dp_rank`'s rows
+    [r*B/R, (r+1)*B/R) as numpy int32 arrays input_ids, labels, doc_ids, positions [B/R, S].
+
+    `prefetch` is the number of Grain reader threads (0: read in the calling thread);
+    each thread builds one batch at a time, so up to `prefetch` batches are in flight.
+    """
+
+    def __init__(
+        self,
+        mixture: Mixture | str | os.PathLike,
+        global_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        start_step: int = 0,
+        prefetch: int = 2,  # threads: enough to hide shard decompression behind a training step
+    ) -> None:
+        self.mixture = mixture if isinstance(mixture, Mixture) else load_mixture(mixture)
+        if global_batch_size <= 0 or dp_size <= 0 or global_batch_size % dp_size:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} must be a positive multiple of dp_size {dp_size}; "
+                "change one of them"
+            )
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size}); pass the rank of this process")
+        if start_step < 0 or prefetch < 0:
+            raise ValueError(f"start_step ({start_step}) and prefetch ({prefetch}) must be >= 0")
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.step = start_step  # the next global batch to yield = global batches consumed so far
+        self.prefetch = prefetch
+
+    @property
+    def tokens_per_global_batch(self) -> int:
+        return self.global_batch_size * self.mixture.sequence_length
+
+    def batch_at(self, step: int) -> dict[str, np.ndarray]:
+        """This rank's rows of global batch `step` (pure: no loader state involved)."""
+        return self.mixture.order.rank_slice(step, self.global_batch_size, self.dp_rank, self.dp_size)
+
+    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+        steps = grain.MapDataset.range(self.step, self.step + _STEP_HORIZON).map(self.batch_at)
+        # Buffer 2 batches per thread: each thread has one ready while building the next.
+        options = grain.ReadOptions(num_threads=self.prefetch, prefetch_buffer_size=max(1, 2 * self.prefetch))
+        for batch in steps.to_iter_dataset(options):
+            self.step += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.mixture.fingerprint(),
+            "seed": self.mixture.seed,
+            "step": self.step,
+            "tokens_consumed": self.step * self.tokens_per_global_batch,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], allow_fingerprint_mismatch: bool = False) -> None:
+        """Continue at global batch state["step"] (any dp size; same global batch size)."""
+        missing = {"fingerprint", "seed", "step", "tokens_consumed"} - set(state)
+        if missing:
+            raise DataError(f"loader state lacks {sorted(missing)}; pass the dict MixtureLoader.state_dict() returned")
+        where = f"{self.mixture.path}"
+        if state["seed"] != self.mixture.seed:
+            raise DataError(
+                f"{where}: seed {self.mixture.seed} differs from the checkpoint's loader seed {state['seed']}; "
+                "set seed back to resume this run"
+            )
+        if state["fingerprint"] != self.mixture.fingerprint():
+            message = (
+                f"{where}: mixture fingerprint {self.mixture.fingerprint()[:16]} differs from the checkpoint's "
+                f"{str(state['fingerprint'])[:16]} (the data or the mixture changed)"
+            )
+            if not allow_fingerprint_mismatch:
+                raise DataError(message + "; restore the original data, or pass allow_fingerprint_mismatch=True")
+            log.warning("!!! %s; continuing at step %d anyway because allow_fingerprint_mismatch=True !!!", message,
+                        state["step"])
+        if state["tokens_consumed"] != state["step"] * self.tokens_per_global_batch:
+            raise DataError(
+                f"{where}: the checkpoint consumed {state['tokens_consumed']} tokens in {state['step']} steps, which is "
+                f"not {self.global_batch_size} x {self.mixture.sequence_length} tokens per step: the global batch "
+                "size or sequence_length changed; resume with the original global batch size"
+            )
+        self.step = int(state["step"])
+
+    def eval_batches(self, source_name: str, batch_size: int) -> list[dict[str, np.ndarray]]:
+        """The fixed evaluation set of held-out source `source_name` in batches of
+        `batch_size` (the last may be smaller); see `eval_instances`."""
+        if batch_size <= 0:
+            raise ValueError(f"eval batch_size must be > 0, got {batch_size}")
+        source, within = eval_instances(self.mixture, source_name)
+        seq = self.mixture.sequence_length
+        return [read_instances(source, within[i : i + batch_size], seq) for i in range(0, len(within), batch_size)]
+
+
+def eval_instances(mixture: Mixture, source_name: str) -> tuple[Any, np.ndarray]:
+    """(held-out source, its eval instance numbers): the first eval.sequences_per_source
+    instances of a permutation keyed by the mixture seed, sequence length and that source's
+    own file identity, so it ignores training steps, resumes, dp size and even the training
+    sources (two mixtures sharing a held-out set evaluate on the same sequences)."""
+    if source_name not in mixture.held_out_sources:
+        raise DataError(
+            f"{mixture.path}: no held_out source named {source_name!r}; "
+            f"choose one of {sorted(mixture.held_out_sources)}"
+        )
+    source = mixture.held_out_sources[source_name]
+    seq = mixture.sequence_length
+    count = mixture.config.eval.sequences_per_source
+    key = derive_key(json.dumps(mixture.source_identity(source), sort_keys=True), mixture.seed, seq, "eval", source_name)
+    within = feistel_permute(np.arange(count), source.num_tokens // seq, round_keys(key, np.zeros(1)))
+    return source, within

@@ -1,0 +1,259 @@
+"""Mixture files: the validated YAML schema, `load_mixture`, and the mixture fingerprint.
+
+A mixture names the training sources (with a ratio or a token target each), the held-out
+sources, the sequence length, seed, eos and vocab, and the eval/leakage settings (see the
+package README for the full YAML). Paths are relative to the YAML's folder. Loading opens
+every source, so a missing file, a wrong dtype, an id beyond the vocab, a source shorter
+than one sequence or a held-out file that is also trained on fails at load time with a
+one-line `DataError` naming the file, the field and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from olmo_data.errors import DataError
+from olmo_data.order import GlobalOrder, derive_key, largest_remainder
+from olmo_data.storage import TokenSource, open_source, resolve_paths
+
+SAMPLE = "sample"  # the mixture path that names the embedded sample (olmo_data.sample)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class SourceConfig(_Strict):
+    """One training source."""
+
+    name: str
+    paths: Annotated[list[str], Field(min_length=1)]  # files, globs or shard directories
+    format: Literal["shards", "numpy"] = "shards"
+    dtype: Literal["uint16", "uint32"] | None = None  # required for numpy; must match for shards
+    ratio: Annotated[float, Field(ge=0)] | None = None  # share of training tokens (normalised)
+    tokens: Annotated[int, Field(gt=0)] | None = None  # or: tokens per mixture epoch
+    max_repetition: Annotated[float, Field(gt=0)] | None = None  # epochs of this source a run may read; None = no cap
+
+    @model_validator(mode="after")
+    def _one_target(self) -> SourceConfig:
+        if (self.ratio is None) == (self.tokens is None):
+            raise ValueError(f"source {self.name!r}: give exactly one of ratio or tokens")
+        return self
+
+
+class HeldOutConfig(_Strict):
+    """One evaluation-only source (never trained on)."""
+
+    name: str
+    paths: Annotated[list[str], Field(min_length=1)]
+    format: Literal["shards", "numpy"] = "shards"
+    dtype: Literal["uint16", "uint32"] | None = None
+
+
+class EvalConfig(_Strict):
+    sequences_per_source: Annotated[int, Field(ge=1)] = 16  # fixed evaluation set size per held-out source
+
+
+class LeakageConfig(_Strict):
+    ngram: Annotated[int, Field(ge=1)] = 13  # span length; 13-grams as in GPT-3's decontamination
+    max_doc_overlap_fraction: Annotated[float, Field(ge=0, le=1)] = 0.0  # held-out docs allowed to hit training
+
+
+class MixtureConfig(_Strict):
+    name: str
+    sequence_length: Annotated[int, Field(gt=0)]
+    seed: int
+    eos_token_id: Annotated[int, Field(ge=0)]
+    vocab_size: Annotated[int, Field(gt=0)]
+    tokenizer: str | None = None  # for humans and `olmo-data tokenize`; not part of the fingerprint
+    sources: Annotated[list[SourceConfig], Field(min_length=1)]
+    held_out: list[HeldOutConfig] = []
+    eval: EvalConfig = EvalConfig()
+    leakage: LeakageConfig = LeakageConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MixtureConfig:
+        for group, items in (("sources", self.sources), ("held_out", self.held_out)):
+            names = [s.name for s in items]
+            if len(set(names)) != len(names):
+                raise ValueError(f"{group}: names must be unique, got {names}")
+        by_ratio = [s.ratio is not None for s in self.sources]
+        if any(by_ratio) and not all(by_ratio):
+            raise ValueError("sources: give every source a ratio, or every source a tokens target, not a mix")
+        if all(by_ratio) and sum(s.ratio for s in self.sources) <= 0:
+            raise ValueError("sources: all ratios are zero; give at least one source a ratio > 0")
+        return self
+
+
+def _validation_message(path: Path, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        if not loc:
+            parts.append(e["msg"].removeprefix("Value error, "))
+        elif e["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown key; remove it or fix its spelling")
+        elif e["type"] == "missing":
+            parts.append(f"{loc}: required field is missing; add it")
+        else:
+            parts.append(f"{loc}: {e['msg']}")
+    return f"{path}: " + "; ".join(parts)
+
+
+class Mixture:
+    """A loaded, validated mixture with its sources opened (use `load_mixture`)."""
+
+    def __init__(self, config: MixtureConfig, path: Path) -> None:
+        self.config = config
+        self.path = path
+        self.root = path.parent
+        self.training_files = [self._resolve(s, f"sources.{i}") for i, s in enumerate(config.sources)]
+        self.held_out_files = [self._resolve(h, f"held_out.{i}") for i, h in enumerate(config.held_out)]
+        self.training_sources = [self._open(s, f) for s, f in zip(config.sources, self.training_files)]
+        self.held_out_sources = {h.name: self._open(h, f) for h, f in zip(config.held_out, self.held_out_files)}
+        self._check()
+
+    def _resolve(self, src: SourceConfig | HeldOutConfig, field: str) -> list[str]:
+        try:
+            return resolve_paths([str(self.root / p) for p in src.paths], src.format)
+        except DataError as e:
+            raise DataError(f"{self.path}: {field}.paths ({src.name}): {e}") from None
+
+    def _open(self, src: SourceConfig | HeldOutConfig, files: list[str]) -> TokenSource:
+        return open_source(
+            files, src.format, dtype=src.dtype, eos_token_id=self.config.eos_token_id, vocab_size=self.config.vocab_size
+        )
+
+    def _check(self) -> None:
+        seq = self.config.sequence_length
+        trained = {os.path.realpath(f): s.name for s, files in zip(self.config.sources, self.training_files) for f in files}
+        for h, files in zip(self.config.held_out, self.held_out_files):
+            for f in files:
+                if os.path.realpath(f) in trained:
+                    raise DataError(
+                        f"{self.path}: held_out {h.name!r} file {f} is also in training source "
+                        f"{trained[os.path.realpath(f)]!r}; held-out data must never be trained on: remove it from one"
+                    )
+        named = [("sources", s.name, src) for s, src in zip(self.config.sources, self.training_sources)]
+        named += [("held_out", n, src) for n, src in self.held_out_sources.items()]
+        for group, name, src in named:
+            if src.num_tokens < seq:
+                raise DataError(
+                    f"{self.path}: sequence_length {seq} is longer than {group} {name!r} ({src.path}: "
+                    f"{src.num_tokens} tokens); lower sequence_length or add data"
+                )
+        for name, src in self.held_out_sources.items():
+            if src.num_tokens // seq < self.config.eval.sequences_per_source:
+                raise DataError(
+                    f"{self.path}: eval.sequences_per_source {self.config.eval.sequences_per_source} exceeds the "
+                    f"{src.num_tokens // seq} sequences of held_out {name!r} ({src.path}); lower it or add data"
+                )
+
+    @property
+    def sequence_length(self) -> int:
+        return self.config.sequence_length
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s.name for s in self.config.sources]
+
+    def num_instances(self) -> list[int]:
+        """Windows of sequence_length tokens in each training source."""
+        return [src.num_tokens // self.sequence_length for src in self.training_sources]
+
+    def slots_per_epoch(self) -> list[int]:
+        """Each training source's slots in one mixture epoch (see olmo_data.order)."""
+        if self.config.sources[0].ratio is not None:
+            return largest_remainder([s.ratio for s in self.config.sources], sum(self.num_instances()))
+        return [max(1, round(s.tokens / self.sequence_length)) for s in self.config.sources]
+
+    def max_instances(self) -> list[int | None]:
+        """The stream length max_repetition allows each training source (None: unbounded)."""
+        return [
+            None if s.max_repetition is None else int(np.floor(s.max_repetition * n))
+            for s, n in zip(self.config.sources, self.num_instances())
+        ]
+
+    def source_identity(self, source: TokenSource) -> list[dict[str, Any]]:
+        """What identifies a source's files without reading them: relative name, size,
+        token count and, for shards, the manifest's chunk checksums (not mtimes)."""
+        parts = getattr(source, "sources", [source])
+        out = []
+        for p in parts:
+            item = {
+                "file": os.path.relpath(p.path, self.root),
+                "bytes": os.path.getsize(p.path),
+                "tokens": int(p.num_tokens),
+                "dtype": np.dtype(p.dtype).name,
+            }
+            manifest = getattr(p, "manifest", None)
+            if manifest is not None:
+                item["chunks"] = [c["sha256_compressed"] for c in manifest["chunks"]]
+                item["doc_starts"] = manifest["doc_starts"]["sha256_compressed"]
+            out.append(item)
+        return out
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        config = self.config.model_dump(mode="json", exclude={"name", "seed", "tokenizer"})
+        identity = {
+            "config": config,
+            "sources": [self.source_identity(s) for s in self.training_sources],
+            "held_out": [self.source_identity(s) for s in self.held_out_sources.values()],
+        }
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the resolved config (name, seed and tokenizer excluded: the seed
+        is kept beside it in loader state) and every source's identity."""
+        return self._fingerprint
+
+    @cached_property
+    def order(self) -> GlobalOrder:
+        """The global training order of this mixture and seed."""
+        return GlobalOrder(
+            self.training_sources,
+            self.source_names,
+            self.slots_per_epoch(),
+            self.max_instances(),
+            self.sequence_length,
+            derive_key(self.fingerprint(), self.seed, "train-order"),
+        )
+
+    def __repr__(self) -> str:
+        return f"Mixture({str(self.path)!r}, name={self.config.name!r}, fingerprint={self.fingerprint()[:12]})"
+
+
+def load_mixture(path: str | os.PathLike) -> Mixture:
+    """Load and validate a mixture YAML; the word "sample" names the embedded sample."""
+    if str(path) == SAMPLE:
+        from olmo_data.sample import sample_mixture_path
+
+        path = sample_mixture_path()
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise DataError(f"{path}: mixture file not found; check the path (or use 'sample')") from None
+    except yaml.YAMLError as e:
+        raise DataError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path}: a mixture must be a YAML mapping with name, sources, ...; see the README")
+    try:
+        config = MixtureConfig.model_validate(raw)
+    except ValidationError as e:
+        raise DataError(_validation_message(path, e)) from None
+    return Mixture(config, path.resolve())

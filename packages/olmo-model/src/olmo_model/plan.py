@@ -1,0 +1,252 @@
+"""`olmo-plan`: a dry run of a recipe on a device layout, before any compute is booked.
+
+    olmo-plan recipes/olmo3-7b/stage1.yaml --devices tpu7x:512 --devices tpu7x:128
+    olmo-plan recipes/olmo3-7b/stage1.yaml --devices h100:512 --mfu 0.40 --json
+
+COUNT is the number of devices as the framework sees them (JAX shows one tpu7x chip as 2
+devices). For each layout: the derived per-device batch and accumulation (the global batch
+never changes), memory per device, step time at a stated MFU, steps, tokens and device-hours.
+A layout that cannot fit is refused with the knob to turn. With several layouts it also says
+what changed from the first to each other one.
+
+Memory model (per device, bytes):
+- state: fp32 master weights (4) + fp32 gradients (4) + AdamW moments (8) per parameter,
+  divided over the sharding group (JAX: fsdp x tensor axes, with data = -1 meaning pure FSDP
+  when fsdp is -1; Torch: FSDP over the world, HSDP over world / replicate, DDP: none);
+- gathered weights: bf16 copies of two blocks (the one computing and the one prefetched);
+- activations per micro-batch, bf16, counted per tensor a block keeps for backward:
+  no remat: x, q/k/v before and after norm/RoPE, attention out, o out, norms, gate, up, silu,
+  product, down out (6d + 3q + 4kv + 4ff values per token per layer); "save_dots": only the matmul
+  outputs (q + 2kv + 2d + 2ff); "block": only the block input (d), plus one block recomputed;
+- logits: fp32 logits and their gradient for one micro-batch (tokens x padded vocab x 8 bytes).
+It is an estimate (no allocator fragmentation, no compiler temporaries): keep 10% headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+
+from .maths import UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
+from .recipe import Recipe, RecipeError, batch_layout, load_recipe
+from .spec import ModelSpec
+
+GIB = 2**30
+HEADROOM = 0.9  # plan to use at most 90% of HBM
+
+
+@dataclass
+class Plan:
+    device_kind: str
+    devices: int
+    framework: str
+    sequence_length: int
+    global_batch: int
+    global_batch_tokens: int
+    dp_size: int
+    shard_group: int
+    per_device_batch: int
+    accumulation_steps: int
+    memory_state_gib: float
+    memory_gathered_weights_gib: float
+    memory_activations_gib: float
+    memory_logits_gib: float
+    memory_total_gib: float
+    hbm_gib: float
+    fits: bool
+    flops_per_token: float
+    mfu: float
+    step_time_s: float
+    steps: int
+    total_tokens: int
+    device_hours: float
+    days: float
+    advice: str
+
+
+def _activation_values_per_token_layer(spec: ModelSpec, remat: str) -> float:
+    d, q, kv, ff = spec.d_model, spec.q_width, spec.kv_width, spec.mlp_hidden
+    if spec.moe is not None:
+        ff = spec.moe.top_k * spec.moe.expert_hidden + spec.moe.n_shared_experts * spec.moe.shared_hidden
+    if remat == "block":
+        return d
+    if remat == "save_dots":
+        return q + 2 * kv + 2 * d + 2 * ff
+    return 6 * d + 3 * q + 4 * kv + 4 * ff
+
+
+def _framework_layout(recipe: Recipe, kind: str, devices: int) -> tuple[str, int, int, str]:
+    """(framework, data-parallel size, state sharding group, remat) for a device layout."""
+    if kind in ("v5p", "v6e", "tpu7x"):
+        mesh = dict(recipe.jax.mesh)
+        tensor = mesh.get("tensor", 1)
+        fixed = 1
+        for axis, size in mesh.items():
+            if size != -1:
+                fixed *= size
+        if devices % fixed:
+            raise RecipeError(f"jax.mesh {mesh} needs a multiple of {fixed} devices, not {devices}; adjust jax.mesh")
+        rest = devices // fixed
+        sizes = {a: (rest if s == -1 else s) for a, s in mesh.items()}
+        dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        shard = sizes.get("fsdp", 1) * tensor
+        if sizes.get("fsdp", 1) == 1 and sizes.get("data", 1) == devices:
+            shard = 1  # pure data parallel: every device holds the whole state
+        return "jax", dp, shard, recipe.jax.remat
+    t = recipe.torch
+    remat = "block" if t.activation_checkpointing else "none"
+    if t.parallel == "fsdp":
+        shard = devices
+    elif t.parallel == "hsdp":
+        if devices % t.replicate:
+            raise RecipeError(f"torch.replicate={t.replicate} does not divide {devices} devices")
+        shard = devices // t.replicate
+    else:
+        shard = 1
+    return "torch", devices, shard, remat
+
+
+def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Plan:
+    spec = recipe.model_spec()
+    peak = resolve_device_kind(device_kind)
+    seq = recipe.train.sequence_length
+    if seq is None:
+        raise RecipeError("olmo-plan needs train.sequence_length in the recipe (the dry run reads no data)")
+    framework, dp, shard, remat = _framework_layout(recipe, peak.kind, devices)
+    global_batch = recipe.global_batch_sequences(seq)
+    layout = batch_layout(global_batch, dp, recipe.train.micro_batch_size)
+    n = param_counts(spec).total
+    state = n * 16 / shard
+    biggest_block = max(
+        (param_counts(spec).total - param_counts(spec).embedding) / spec.n_layers, 1.0
+    )
+    gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
+    tokens_micro = layout.per_device_batch * seq
+    per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes
+    acts = tokens_micro * per_layer * spec.n_layers
+    if remat == "block":  # one block recomputed in full during backward
+        acts += tokens_micro * _activation_values_per_token_layer(spec, "none") * 2
+    logits = tokens_micro * spec.padded_vocab_size * 8
+    total = state + gathered + acts + logits
+    hbm = peak.hbm_bytes
+    fits = total <= HEADROOM * hbm
+    advice = ""
+    if not fits:
+        knobs = []
+        if remat != "block":
+            knobs.append("jax.remat=block" if framework == "jax" else "torch.activation_checkpointing=true")
+        if layout.per_device_batch > 1:
+            knobs.append(f"train.micro_batch_size={max(layout.per_device_batch // 2, 1)} (gradient accumulation)")
+        if shard < devices:
+            knobs.append("shard the state over more devices (jax.mesh fsdp=-1 / torch.parallel=fsdp)")
+        if not knobs:
+            knobs.append(
+                "use more devices or a shorter sequence (the fp32 logits of one sequence alone take "
+                f"{seq * spec.padded_vocab_size * 8 / GIB:.1f} GiB; there is no chunked loss or context parallelism yet)"
+            )
+        advice = "does not fit: " + "; or ".join(knobs)
+    fpt = flops_per_token(spec, seq)
+    step_time = fpt * recipe.train.global_batch_tokens / (mfu * peak.bf16_flops_per_device * devices)
+    steps = recipe.total_steps()
+    return Plan(
+        device_kind=peak.kind,
+        devices=devices,
+        framework=framework,
+        sequence_length=seq,
+        global_batch=global_batch,
+        global_batch_tokens=recipe.train.global_batch_tokens,
+        dp_size=dp,
+        shard_group=shard,
+        per_device_batch=layout.per_device_batch,
+        accumulation_steps=layout.accumulation_steps,
+        memory_state_gib=state / GIB,
+        memory_gathered_weights_gib=gathered / GIB,
+        memory_activations_gib=acts / GIB,
+        memory_logits_gib=logits / GIB,
+        memory_total_gib=total / GIB,
+        hbm_gib=hbm / GIB,
+        fits=fits,
+        flops_per_token=fpt,
+        mfu=mfu,
+        step_time_s=step_time,
+        steps=steps,
+        total_tokens=steps * recipe.train.global_batch_tokens,
+        device_hours=step_time * steps * devices / 3600,
+        days=step_time * steps / 86400,
+        advice=advice,
+    )
+
+
+def _changes(a: Plan, b: Plan) -> list[str]:
+    out = []
+    for key in ("device_kind", "devices", "dp_size", "per_device_batch", "accumulation_steps", "shard_group"):
+        if getattr(a, key) != getattr(b, key):
+            out.append(f"{key} {getattr(a, key)} -> {getattr(b, key)}")
+    out.append(f"global batch kept: {b.global_batch} x {b.sequence_length} tokens")
+    out.append(f"step time {a.step_time_s:.2f}s -> {b.step_time_s:.2f}s at MFU {b.mfu:.0%}")
+    return out
+
+
+def _parse_devices(text: str) -> tuple[str, int]:
+    kind, _, count = text.partition(":")
+    if not count.isdigit() or int(count) <= 0:
+        raise RecipeError(f"--devices '{text}': write KIND:COUNT, e.g. h100:512")
+    return kind, int(count)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="olmo-plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="recipe YAML")
+    parser.add_argument("--devices", action="append", required=True, help="KIND:COUNT (repeatable)")
+    parser.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for step time (default 0.40)")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    args, overrides = parser.parse_known_args(argv)
+    try:
+        recipe = load_recipe(args.recipe, overrides)
+        plans = [make_plan(recipe, *_parse_devices(d), args.mfu) for d in args.devices]
+    except (RecipeError, UnknownDeviceError, ValueError) as err:
+        print(f"olmo-plan: {err}", file=sys.stderr)
+        return 2
+    changes = [_changes(plans[0], p) for p in plans[1:]]
+    if args.json:
+        print(json.dumps({"plans": [asdict(p) for p in plans], "changes": changes}, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"olmo-plan {args.recipe}: {recipe.model_spec().name or 'model'}")
+        table.add_column("")
+        for p in plans:
+            table.add_column(f"{p.device_kind}:{p.devices}", justify="right")
+        rows = [
+            ("framework", lambda p: p.framework),
+            ("global batch (seqs x len)", lambda p: f"{p.global_batch} x {p.sequence_length}"),
+            ("data-parallel / shard group", lambda p: f"{p.dp_size} / {p.shard_group}"),
+            ("per-device batch", lambda p: str(p.per_device_batch)),
+            ("accumulation steps", lambda p: str(p.accumulation_steps)),
+            ("memory: state (GiB)", lambda p: f"{p.memory_state_gib:.1f}"),
+            ("memory: activations (GiB)", lambda p: f"{p.memory_activations_gib:.1f}"),
+            ("memory: logits (GiB)", lambda p: f"{p.memory_logits_gib:.1f}"),
+            ("memory: total / HBM (GiB)", lambda p: f"{p.memory_total_gib:.1f} / {p.hbm_gib:.0f}"),
+            ("fits", lambda p: "yes" if p.fits else "NO"),
+            ("step time @ MFU", lambda p: f"{p.step_time_s:.2f}s @ {p.mfu:.0%}"),
+            ("steps", lambda p: f"{p.steps:,}"),
+            ("tokens", lambda p: f"{p.total_tokens:.3e}"),
+            ("device-hours / days", lambda p: f"{p.device_hours:,.0f} / {p.days:.1f}"),
+        ]
+        for label, fn in rows:
+            table.add_row(label, *[fn(p) for p in plans])
+        console = Console()
+        console.print(table)
+        for p in plans:
+            if not p.fits:
+                console.print(f"[red]{p.device_kind}:{p.devices} {p.advice}[/red]")
+        for p, ch in zip(plans[1:], changes):
+            console.print(f"{plans[0].device_kind}:{plans[0].devices} -> {p.device_kind}:{p.devices}: " + "; ".join(ch))
+    return 0 if all(p.fits for p in plans) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Parameter counts, FLOPs per token and MFU against values written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from olmo_model import (
+    FULL,
+    SLIDING,
+    ModelSpec,
+    UnknownDeviceError,
+    flops_per_token,
+    get_preset,
+    mean_keys_per_query,
+    mfu,
+    param_counts,
+    resolve_device_kind,
+)
+
+# DESIGN.md's table (OLMo-core 3.0.0's own counts, embedding and output head included).
+DESIGN_PARAMS = {
+    "olmo3-14m": 26_740_864,
+    "olmo3-30m": 54_792_448,
+    "olmo3-60m": 95_957_376,
+    "olmo3-190m": 267_424_512,
+    "olmo3-1b": 1_484_916_736,
+    "olmo3-7b": 7_298_617_344,
+    "olmo3-32b": 32_234_279_936,
+}
+# (d_model, layers, heads, kv heads, MLP hidden), also from DESIGN.md.
+DESIGN_SHAPES = {
+    "olmo3-14m": (128, 4, 8, 8, 512),
+    "olmo3-30m": (256, 4, 8, 8, 768),
+    "olmo3-60m": (384, 8, 8, 8, 1536),
+    "olmo3-190m": (768, 12, 12, 12, 3072),
+    "olmo3-1b": (2048, 16, 16, 16, 8192),
+    "olmo3-7b": (4096, 32, 32, 32, 11008),
+    "olmo3-32b": (5120, 64, 40, 8, 27648),
+}
+
+
+def _olmo3_formula(d, n_layers, heads, kv_heads, ff, vocab=100_352):
+    head_dim = d // heads
+    kv = kv_heads * head_dim
+    attention = d * d + 2 * d * kv + d * d  # q, k, v, o (GQA narrows k and v)
+    qk_norm = d + kv  # full-width q_norm and k_norm
+    mlp = 3 * d * ff  # SwiGLU gate, up, down
+    norms = 2 * d  # post-attention and post-feedforward
+    return 2 * vocab * d + n_layers * (attention + qk_norm + mlp + norms) + d  # + final norm
+
+
+@pytest.mark.parametrize("preset", list(DESIGN_PARAMS))
+def test_param_counts_match_formula_and_design_table(preset):
+    counts = param_counts(get_preset(preset))
+    assert counts.total == _olmo3_formula(*DESIGN_SHAPES[preset]) == DESIGN_PARAMS[preset]
+    assert counts.active == counts.total  # dense
+    assert counts.embedding == 2 * 100_352 * DESIGN_SHAPES[preset][0]
+    assert counts.non_embedding == counts.total - counts.embedding
+
+
+def test_7b_h16_equals_7b():
+    a, b = get_preset("olmo3-7b"), get_preset("olmo3-7b-h16")
+    assert b.head_dim == 256 and a.head_dim == 128
+    assert param_counts(a) == param_counts(b)
+    for seq_len in (4096, 8192, 65536):
+        assert flops_per_token(a, seq_len) == flops_per_token(b, seq_len)
+
+
+def test_moe_counts_by_hand():
+    spec = get_preset("tiny-moe")  # d 64, 4 layers, 8 experts top-4 of hidden 64, one shared
+    d, v = 64, 4096
+    attention = 4 * d * d + 2 * d
+    norms = 2 * d
+    router = 8 * d
+    expert = 3 * d * 64
+    per_layer_stored = attention + norms + router + 8 * expert + expert
+    per_layer_active = attention + norms + router + 4 * expert + expert
+    counts = param_counts(spec)
+    assert counts.total == 2 * v * d + 4 * per_layer_stored + d == 1_035_328
+    assert counts.active == 2 * v * d + 4 * per_layer_active + d == 838_720
+
+
+def _hand_spec(**changes) -> ModelSpec:
+    base = dict(
+        d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, vocab_size=100, padded_vocab_size=128,
+        eos_token_id=0, pad_token_id=1, sliding_window=4, layer_types=(SLIDING, FULL),
+        max_position_embeddings=64,
+    )
+    return ModelSpec(**{**base, **changes})
+
+
+def test_flops_per_token_by_hand():
+    spec = _hand_spec()
+    # Weights a token multiplies through: per layer q, k, v, o 4 * 16 * 16 = 1024 and the
+    # MLP 3 * 16 * 32 = 1536, so 2 * 2560 = 5120; the head 128 * 16 = 2048. Sum 7168,
+    # times 6 (forward 2 + backward 4 per multiply-add) = 43008.
+    # Attention at seq 8: 12 * n_heads * head_dim = 12 * 2 * 8 = 192 FLOPs per key seen.
+    # The global layer sees 1..8 keys, mean 36 / 8 = 4.5; the window-4 layer sees
+    # 1, 2, 3, 4, 4, 4, 4, 4, mean 26 / 8 = 3.25. 192 * (4.5 + 3.25) = 1488.
+    assert flops_per_token(spec, 8) == 43008 + 1488 == 44496
+    assert mean_keys_per_query(8, None) == 4.5
+    assert mean_keys_per_query(8, 4) == 3.25
+    assert mean_keys_per_query(8, 8) == 4.5  # a window as long as the sequence is global
+
+
+def test_sliding_layers_save_exactly_the_missing_keys():
+    spec = get_preset("olmo3-7b")
+    all_global = spec.replace(layer_types=(FULL,) * 32)
+    seq_len = 8192
+    # Global: (8192 + 1) / 2 = 4096.5 keys. Window 4096: 4096 * 4097 / 2 keys over the
+    # first 4096 positions plus 4096 * 4096 over the rest, / 8192 = 3072.25.
+    mean_full, mean_window = 4096.5, 3072.25
+    n_sliding = 24  # layers with i % 4 != 3
+    expected = 12 * 32 * 128 * (mean_full - mean_window) * n_sliding
+    assert flops_per_token(all_global, seq_len) - flops_per_token(spec, seq_len) == expected
+    # Shorter than the window, both specs are the same model.
+    assert flops_per_token(all_global, 4096) == flops_per_token(spec, 4096)
+
+
+def test_mfu_by_hand():
+    spec = _hand_spec()
+    # 44496 FLOPs/token (test_flops_per_token_by_hand) at 1e9 tokens/s on one H100 (989e12).
+    assert mfu(spec, 8, 1e9, "h100") == pytest.approx(44496e9 / 989e12, rel=1e-15)
+    assert mfu(spec, 8, 1e9, peak_flops_per_device=44496e9) == pytest.approx(1.0, rel=1e-15)
+    # tpu7x: 2307e12 per chip, shown by JAX as two devices.
+    assert mfu(spec, 8, 1e9, "TPU7x") == pytest.approx(44496e9 / (2307e12 / 2), rel=1e-15)
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "per_device"),
+    [
+        ("NVIDIA H100 80GB HBM3", "h100", 989e12),
+        ("NVIDIA H200", "h200", 989e12),
+        ("NVIDIA B200", "b200", 2250e12),
+        ("NVIDIA A100-SXM4-80GB", "a100", 312e12),
+        ("TPU v5p", "v5p", 459e12),
+        ("TPU v5", "v5p", 459e12),  # what JAX's device_kind says on a v5p
+        ("TPU v6 lite", "v6e", 918e12),
+        ("TPU7x", "tpu7x", 2307e12 / 2),
+        ("h100", "h100", 989e12),
+    ],
+)
+def test_device_aliases(name, key, per_device):
+    peak = resolve_device_kind(name)
+    assert peak.kind == key
+    assert peak.bf16_flops_per_device == per_device
+
+
+@pytest.mark.parametrize("name", ["TPU v5 lite", "Tesla V100-SXM2-16GB"])
+def test_devices_without_a_peak_are_errors(name):
+    with pytest.raises(UnknownDeviceError, match="no bf16 peak"):
+        resolve_device_kind(name)
+
+
+def test_unknown_device_is_an_error():
+    with pytest.raises(UnknownDeviceError) as err:
+        mfu(get_preset("tiny"), 64, 1e6, "Banana GPU 9000")
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "unknown device kind 'Banana GPU 9000'" in msg and "h100" in msg and "explicit" in msg

@@ -1,0 +1,85 @@
+"""olmo-plan on the repo's Olmo 3 recipes, and the launchers' dry runs."""
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from olmo_model.plan import main as plan_main
+
+ROOT = Path(__file__).resolve().parents[3]
+STAGE1 = ROOT / "recipes" / "olmo3-7b" / "stage1.yaml"
+
+
+def _plan(capsys, *args):
+    rc = plan_main([str(STAGE1), *args, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_stage1_on_512_devices_of_three_kinds(capsys):
+    rc, out = _plan(capsys, "--devices", "tpu7x:512", "--devices", "v5p:512", "--devices", "h100:512")
+    assert rc == 0
+    # 5.93T tokens at 512 x 8192 tokens per step (the first report: about 1.41M steps)
+    expected_steps = math.ceil(5.93e12 / (512 * 8192))
+    assert expected_steps == 1_413_823
+    for plan in out["plans"]:
+        assert plan["steps"] == expected_steps
+        assert (plan["global_batch"], plan["sequence_length"]) == (512, 8192)
+        assert (plan["per_device_batch"], plan["accumulation_steps"]) == (1, 1)
+        assert plan["fits"] and plan["memory_total_gib"] > 0
+    assert [p["framework"] for p in out["plans"]] == ["jax", "jax", "torch"]
+    # step time = FLOPs/token x tokens/step / (MFU x peak x devices); h100 vs v5p: 459/989
+    h100, v5p = out["plans"][2], out["plans"][1]
+    assert h100["step_time_s"] / v5p["step_time_s"] == pytest.approx(459 / 989)
+
+
+def test_quarter_of_the_devices_keeps_the_global_batch(capsys):
+    rc, out = _plan(capsys, "--devices", "tpu7x:512", "--devices", "tpu7x:128")
+    assert rc == 0
+    full, quarter = out["plans"]
+    assert quarter["global_batch"] == full["global_batch"] == 512
+    # the recipe caps micro-batches at 1 sequence: a quarter of the devices accumulate 4 steps
+    assert quarter["per_device_batch"] * quarter["dp_size"] * quarter["accumulation_steps"] == 512
+    assert quarter["accumulation_steps"] == 4
+    assert quarter["step_time_s"] == pytest.approx(4 * full["step_time_s"])
+    assert "accumulation_steps 1 -> 4" in out["changes"][0]
+    assert "global batch kept: 512 x 8192 tokens" in out["changes"][0]
+
+
+def test_refuses_what_cannot_fit_and_names_the_knob(capsys):
+    rc, out = _plan(capsys, "--devices", "h100:512", "--train.micro_batch_size=null",
+                    "--train.global_batch_tokens=33554432", "--torch.activation_checkpointing=false")
+    assert rc == 1
+    plan = out["plans"][0]
+    assert not plan["fits"] and plan["per_device_batch"] == 8
+    assert "torch.activation_checkpointing=true" in plan["advice"]
+
+
+def test_unknown_device_and_indivisible_layout(capsys):
+    assert plan_main([str(STAGE1), "--devices", "tpu9:8"]) == 2
+    assert "unknown device kind 'tpu9'" in capsys.readouterr().err
+    assert plan_main([str(STAGE1), "--devices", "h100:768"]) == 2
+    assert "cannot be split over 768" in capsys.readouterr().err
+
+
+def test_launchers_dry_run_print_the_exact_commands():
+    env = {**os.environ, "NNODES": "16", "NODE_RANK": "3", "MASTER_ADDR": "node0", "GPUS_PER_NODE": "8"}
+    gpu = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch_gpu.sh"), str(STAGE1), "--device", "h100", "--dry-run",
+         "--", "--optim.lr=2e-4"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout
+    assert f"olmo-plan {STAGE1} --devices h100:128 --optim.lr=2e-4" in gpu
+    assert "torchrun --nnodes 16 --nproc-per-node 8 --node-rank 3 --rdzv-backend c10d --rdzv-endpoint node0:29500" in gpu
+    assert f"-m olmo_train_torch {STAGE1} --optim.lr=2e-4" in gpu
+    tpu = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch_tpu.sh"), str(STAGE1), "--device", "v5p", "--devices", "128",
+         "--tpu-name", "slice", "--zone", "z", "--dry-run"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert f"olmo-plan {STAGE1} --devices v5p:128" in tpu
+    assert "tpu-vm ssh slice --zone z --worker=all" in tpu
+    assert "olmo-train-jax" in tpu and "--jax.distributed=true" in tpu

@@ -1,0 +1,258 @@
+"""The JAX Olmo 3 model against transformers' Olmo3ForCausalLM and against identities derived
+by hand (windowing, document masking, init statistics, bf16 error bound, adapter errors).
+
+Run: cd /work/main && uv run --frozen pytest packages/olmo-train-jax/tests/test_model.py -p no:xdist -q
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from olmo_model import FULL, SLIDING, ModelSpec, get_preset, hf_config, hf_param_shapes
+from transformers import Olmo3Config, Olmo3ForCausalLM
+
+from olmo_train_jax import CheckpointMismatchError, OlmoModel, build_model, load_hf, model_from_hf, to_hf
+
+SEQ = 128  # > every tiny window (16, 32) and > tiny-yarn's original context (64)
+_forward = nnx.jit(lambda model, ids: model(ids))
+_forward_docs = nnx.jit(lambda model, ids, doc_ids: model(ids, doc_ids))
+
+
+def _spec(name: str) -> ModelSpec:
+    if name == "tiny-pattern":  # an explicit, non-periodic pattern: global first and last
+        return get_preset("tiny").replace(layer_types=(FULL, SLIDING, SLIDING, FULL), name=name)
+    return get_preset(name)
+
+
+def _ids(spec: ModelSpec, batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, spec.vocab_size, (batch, seq)).astype(np.int32)
+
+
+@functools.cache
+def _built(name: str) -> tuple[ModelSpec, OlmoModel, np.ndarray, np.ndarray]:
+    """One model, input batch and fp32 logits per spec, shared by the tests."""
+    spec = _spec(name)
+    model = build_model(spec, seed=0)
+    ids = _ids(spec)
+    return spec, model, ids, np.array(_forward(model, jnp.asarray(ids)))
+
+
+def _hf_logits(spec: ModelSpec, tensors: dict[str, np.ndarray], ids: np.ndarray, no_qk_norm=False) -> np.ndarray:
+    config = Olmo3Config(**hf_config(spec))
+    config._attn_implementation = "eager"
+    hf = Olmo3ForCausalLM(config).eval()
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=True)
+    if no_qk_norm:
+        for layer in hf.model.layers:
+            layer.self_attn.q_norm = torch.nn.Identity()
+            layer.self_attn.k_norm = torch.nn.Identity()
+    with torch.no_grad():
+        return hf(torch.from_numpy(ids).long()).logits.numpy()
+
+
+def _assert_matches(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref).max() <= 1e-4
+    log_p = torch.log_softmax(torch.from_numpy(ref).double(), -1)
+    log_q = torch.log_softmax(torch.from_numpy(ours).double(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    assert kl <= 1e-9
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa", "tiny-yarn", "tiny-pattern"])
+def test_logits_match_transformers(name):
+    spec, model, ids, ours = _built(name)
+    assert ours.shape == (2, SEQ, spec.padded_vocab_size)
+    _assert_matches(ours, _hf_logits(spec, to_hf(model, spec), ids))
+
+
+def test_yarn_is_applied_beyond_original_context():
+    spec, model, ids, ours = _built("tiny-yarn")
+    plain = model_from_hf(spec.replace(yarn=None), to_hf(model, spec))
+    diff = np.abs(np.asarray(_forward(plain, jnp.asarray(ids))) - ours).max()
+    assert diff > 1e-3  # YaRN rescales frequencies and cos/sin: not a no-op on these layers
+
+
+def test_sliding_layers_window_attention():
+    spec, model, ids, ours = _built("tiny")
+    global_only = spec.replace(sliding_window=None)
+    assert set(global_only.layer_types) == {FULL}
+    unwindowed = np.asarray(_forward(model_from_hf(global_only, to_hf(model, spec)), jnp.asarray(ids)))
+    per_position = np.abs(unwindowed - ours).max(axis=(0, 2))
+    window = spec.sliding_window
+    # A query closer than `window` to the start sees every key either way; later ones lose keys.
+    assert per_position[:window].max() <= 1e-6
+    assert per_position[window:].min() > 1e-5
+    assert per_position[window:].max() > 1e-3
+
+
+def test_doc_ids_equal_running_each_document_alone():
+    spec, model, ids, ours = _built("tiny-gqa")
+    bounds = [(0, 50), (50, 100), (100, SEQ)]  # 50-token docs, longer than the 32-token window
+    doc_ids = np.zeros_like(ids)
+    for d, (a, b) in enumerate(bounds):
+        doc_ids[:, a:b] = d
+    doc_ids[1] = 0  # second row: one document, so it must equal the unmasked forward
+    masked = np.asarray(_forward_docs(model, jnp.asarray(ids), jnp.asarray(doc_ids)))
+    for a, b in bounds:
+        alone = np.asarray(_forward(model, jnp.asarray(ids[:1, a:b])))
+        # RoPE scores depend on distance only, so the document's absolute offset does not matter.
+        assert np.abs(masked[0, a:b] - alone[0]).max() <= 1e-5
+    assert np.abs(masked[1] - ours[1]).max() <= 1e-6
+    assert np.abs(masked[0, 50:] - ours[0, 50:]).max() > 1e-3
+
+
+def test_init_statistics():
+    spec, model, _, _ = _built("tiny")
+    tensors = to_hf(model, spec)
+    # Std of a unit normal truncated at +-c: sqrt(1 - 2 c phi(c) / (2 Phi(c) - 1)).
+    c = spec.init_cutoff
+    phi = math.exp(-c * c / 2) / math.sqrt(2 * math.pi)
+    mass = math.erf(c / math.sqrt(2))
+    expected_std = spec.init_std * math.sqrt(1 - 2 * c * phi / mass)
+    assert expected_std == pytest.approx(0.02 * 0.9866, rel=1e-4)
+    # Pool each weight over its layers (4 x 4096+ samples): the std estimate then has a relative
+    # spread of ~0.5%, so the 2% tolerance is a ~4-sigma bound.
+    pooled: dict[str, list[np.ndarray]] = {}
+    for name, value in tensors.items():
+        pooled.setdefault(re.sub(r"layers\.\d+\.", "layers.*.", name), []).append(value.ravel())
+    for name, parts in pooled.items():
+        value = np.concatenate(parts)
+        if name.endswith("norm.weight"):
+            assert (value == 1).all(), name
+        else:
+            assert abs(value.std() / expected_std - 1) < 0.02, name
+            assert np.abs(value).max() <= c * spec.init_std * (1 + 1e-6), name
+            assert abs(value.mean()) < 0.05 * expected_std, name
+    again = to_hf(build_model(spec, seed=0), spec)
+    other = to_hf(build_model(spec, seed=1), spec)
+    assert all(np.array_equal(tensors[k], again[k]) for k in tensors)
+    assert not np.array_equal(tensors["model.layers.0.self_attn.q_proj.weight"],
+                              other["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_bf16_compute_close_to_fp32():
+    spec, model, ids, ours = _built("tiny")
+    bf16 = model_from_hf(spec, to_hf(model, spec), dtype=jnp.bfloat16)
+    low = np.asarray(_forward(bf16, jnp.asarray(ids)))
+    assert low.dtype == np.float32
+    # bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 0.2%). Each of the ~30 roundings on the
+    # way to a logit (residual stream, projections, attention, norms) adds a relative error of
+    # at most 2^-9; summed linearly that is ~6% of the logit scale, a worst case. Typical
+    # errors add like a random walk, sqrt(30) * 2^-9 ~ 1%.
+    scale = np.abs(ours).max()
+    err = np.abs(low - ours)
+    assert err.max() <= 30 * 2**-9 * scale
+    assert np.sqrt((err**2).mean()) <= math.sqrt(30) * 2**-9 * np.sqrt((ours**2).mean())
+
+
+def test_qk_norm_none_matches_transformers_without_qk_norm():
+    spec = get_preset("tiny").replace(qk_norm="none")
+    model = build_model(spec, seed=3)
+    ids = _ids(spec, seq=64)
+    tensors = to_hf(model, spec)
+    assert not any("q_norm" in k for k in tensors)
+    # Olmo3ForCausalLM always has the norms: give them placeholder ones, then bypass them.
+    padded = dict(tensors)
+    for i in range(spec.n_layers):
+        padded[f"model.layers.{i}.self_attn.q_norm.weight"] = np.ones(spec.q_width, np.float32)
+        padded[f"model.layers.{i}.self_attn.k_norm.weight"] = np.ones(spec.kv_width, np.float32)
+    ref = _hf_logits(spec.replace(qk_norm="full"), padded, ids, no_qk_norm=True)
+    _assert_matches(np.asarray(_forward(model, jnp.asarray(ids))), ref)
+
+
+def test_qk_norm_per_head_equals_full_with_one_head():
+    # With a single head, the head is the full projected width: both norms are the same map.
+    full = get_preset("tiny").replace(n_heads=1, qk_norm="full")
+    per_head = full.replace(qk_norm="per_head")
+    model = build_model(full, seed=4)
+    rng = np.random.default_rng(4)
+    tensors = to_hf(model, full)
+    for name in tensors:  # non-trivial norm weights, so the weights are mapped, not just ones
+        if "q_norm" in name or "k_norm" in name:
+            tensors[name] = rng.uniform(0.5, 1.5, tensors[name].shape).astype(np.float32)
+    ids = jnp.asarray(_ids(full, seq=64))
+    a = np.asarray(_forward(model_from_hf(full, tensors), ids))
+    b = np.asarray(_forward(model_from_hf(per_head, tensors), ids))
+    assert np.abs(a - b).max() <= 1e-6
+
+
+def test_remat_policies_leave_gradients_unchanged():
+    spec = get_preset("tiny").replace(n_layers=2)
+    tensors = to_hf(build_model(spec, seed=5), spec)
+    ids = jnp.asarray(_ids(spec, seq=64))
+
+    def loss(model):
+        logits = model(ids[:, :-1])
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1).mean()
+
+    grads = {}
+    for remat in ("none", "block", "save_dots"):
+        g = nnx.jit(nnx.grad(loss))(model_from_hf(spec, tensors, remat=remat))
+        grads[remat] = jax.tree.leaves(g)
+    for remat in ("block", "save_dots"):
+        for a, b in zip(grads["none"], grads[remat], strict=True):
+            assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-7
+    with pytest.raises(ValueError, match="remat='full'"):
+        build_model(spec, remat="full")
+
+
+def test_moe_spec_is_refused_naming_issue_8():
+    with pytest.raises(NotImplementedError, match="issue 8"):
+        build_model(get_preset("tiny-moe"))
+
+
+def test_adapter_round_trip_is_exact():
+    spec, model, _, _ = _built("tiny-gqa")
+    tensors = to_hf(model, spec)
+    assert {k: v.shape for k, v in tensors.items()} == hf_param_shapes(spec)
+    other = build_model(spec, seed=7)
+    load_hf(other, tensors)
+    again = to_hf(other, spec)
+    assert all(np.array_equal(tensors[k], again[k]) for k in tensors)
+
+
+def _missing(t):
+    del t["model.layers.2.mlp.up_proj.weight"]
+    return "model.layers.2.mlp.up_proj.weight"
+
+
+def _unexpected(t):
+    t["model.layers.4.mlp.up_proj.weight"] = t["model.layers.3.mlp.up_proj.weight"]
+    return "model.layers.4.mlp.up_proj.weight"
+
+
+def _wrong_shape(t):
+    t["model.layers.1.self_attn.k_proj.weight"] = t["model.layers.1.self_attn.k_proj.weight"][:32]
+    return "model.layers.1.self_attn.k_proj.weight"
+
+
+def _vocab(t):
+    t["model.embed_tokens.weight"] = np.zeros((50304, 64), np.float32)
+    t["lm_head.weight"] = np.zeros((50304, 64), np.float32)
+    return "vocab mismatch in 'model.embed_tokens.weight': checkpoint has 50304 rows"
+
+
+@pytest.mark.parametrize("corrupt", [_missing, _unexpected, _wrong_shape, _vocab])
+def test_adapter_rejects_bad_checkpoint_before_any_update(corrupt):
+    spec, model, _, _ = _built("tiny-gqa")
+    before = to_hf(model, spec)
+    tensors = dict(before)
+    expected_text = corrupt(tensors)
+    with pytest.raises(CheckpointMismatchError) as err:
+        load_hf(model, tensors)
+    message = str(err.value)
+    assert expected_text in message and "\n" not in message
+    after = to_hf(model, spec)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    with pytest.raises(CheckpointMismatchError):
+        model_from_hf(spec, tensors)

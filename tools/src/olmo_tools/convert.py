@@ -1,0 +1,121 @@
+"""olmo-convert: copy Olmo 3 weights between the HF layout, OLMo-core, and our two trainers.
+
+    uv run --frozen olmo-convert SRC DST [--dtype float32|bfloat16] [--spec PRESET_OR_FILE] [--overwrite]
+
+SRC and DST are ``hf:DIR``, ``olmo-core:PATH`` (.pt file or DCP dir), ``torch:DIR`` or
+``jax:DIR`` (formats in tools/README.md). For example:
+
+    uv run --frozen olmo-convert olmo-core:step1000/model.pt hf:out/olmo3-1b --spec olmo3-1b --dtype bfloat16
+    uv run --frozen olmo-convert hf:out/olmo3-1b jax:out/olmo3-1b-jax
+
+Every tensor is checked against the spec before anything is written; the result is built
+in a temporary sibling of DST and renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from olmo_model import ModelSpec, hf_param_shapes
+from olmo_model.presets import SpecError
+from rich.console import Console
+from rich.table import Table
+
+from .formats import (
+    DTYPES,
+    CheckpointError,
+    atomic_destination,
+    check_destination,
+    open_checkpoint,
+    parse_location,
+    write_hf,
+    write_olmo_core,
+)
+
+
+def convert(
+    src: str,
+    dst: str,
+    *,
+    dtype: torch.dtype | None = None,
+    spec: str | ModelSpec | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = 5 * 2**30,
+) -> ModelSpec:
+    """Convert SRC to DST (``KIND:PATH`` strings); ``dtype`` None keeps each tensor's stored dtype.
+    Returns the spec of the converted model; raises CheckpointError on any bad input."""
+    src_loc, dst_loc = parse_location(src), parse_location(dst)
+    if src_loc.path.absolute() == dst_loc.path.absolute():
+        raise CheckpointError(f"{dst}: destination is the source; write to another path")
+    check_destination(dst_loc.path, overwrite)
+    with open_checkpoint(src_loc, spec) as ckpt:
+
+        def dtype_of(name: str) -> torch.dtype:
+            return dtype or ckpt.stored[name][1]
+
+        with atomic_destination(dst_loc.path, overwrite) as tmp:
+            if dst_loc.kind == "hf":
+                write_hf(tmp, ckpt.spec, ckpt.tensor, dtype_of, max_shard_bytes)
+            elif dst_loc.kind == "olmo-core":
+                write_olmo_core(tmp, ckpt, dtype_of)
+            elif dst_loc.kind == "torch":
+                from .native import write_torch
+
+                write_torch(tmp, ckpt, dtype_of)
+            else:
+                from .native import write_jax
+
+                stored = {d for _, d in ckpt.stored.values()}
+                keep_bf16 = dtype is None and stored == {torch.bfloat16}
+                write_jax(tmp, ckpt, "bfloat16" if dtype == torch.bfloat16 or keep_bf16 else "float32")
+        return ckpt.spec
+
+
+def _size_of(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="olmo-convert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("src", help="hf:DIR | olmo-core:PATH | torch:DIR | jax:DIR")
+    parser.add_argument("dst", help="hf:DIR | olmo-core:PATH (.pt file, else a DCP dir) | torch:DIR | jax:DIR")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast every tensor (default: keep the stored dtype)")
+    parser.add_argument("--spec", help="preset name or spec file; required for olmo-core sources, else checked")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="hf: split safetensors above this size (GiB)")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+    try:
+        spec = convert(
+            args.src,
+            args.dst,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            spec=args.spec,
+            overwrite=args.overwrite,
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+        )
+    except (CheckpointError, SpecError) as err:
+        console.print(f"[red]olmo-convert: error:[/red] {err}", highlight=False)
+        return 2
+    dst = parse_location(args.dst).path
+    table = Table(title="olmo-convert", show_header=False)
+    table.add_row("source", args.src)
+    table.add_row("destination", args.dst)
+    table.add_row("spec", f"{spec.name} ({sum(math.prod(s) for s in hf_param_shapes(spec).values()):,} parameters)")
+    table.add_row("dtype", args.dtype or "as stored")
+    table.add_row("size on disk", f"{_size_of(dst) / 2**20:,.1f} MiB")
+    table.add_row("time", f"{time.perf_counter() - start:.1f} s")
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
