@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_data.errors import DataError
-from olmo_data.leakage import LeakageError, assert_no_leakage
+from olmo_data.leakage import LeakageError, assert_no_leakage, check_leakage
 from olmo_data.loader import MixtureLoader
 from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.order import BATCH_KEYS
@@ -136,16 +136,13 @@ def _batches(args: argparse.Namespace, console: Console) -> int:
 
 def _check_leakage(args: argparse.Namespace, console: Console) -> int:
     mixture = load_mixture(args.mixture)
+    report = check_leakage(mixture)
     try:
-        report = assert_no_leakage(mixture, allow=args.allow)
+        assert_no_leakage(mixture, allow=args.allow)  # reads the report check_leakage just cached
         status = 0
     except LeakageError as e:
-        console.print(f"[bold red]LEAKAGE[/] {e}", soft_wrap=True)
-        report, status = None, 1
-    if report is None:
-        from olmo_data.leakage import check_leakage
-
-        report = check_leakage(mixture)
+        Console(stderr=True).print(f"[bold red]LEAKAGE[/] {e}", soft_wrap=True)
+        status = 1
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
         return status
@@ -190,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tokenize", help="tokenize text into shards (olmo-data tokenize --help)")
     sub.add_parser("sample", help="build the embedded sample mixture (olmo-data sample --help)")
     args = parser.parse_args(argv)
-    console = Console(stderr=args.json)
+    console = Console()
+    if not console.is_terminal:  # rich assumes 80 columns when piped; the tables need more
+        console = Console(width=160)
     try:
         return {"inspect": _inspect, "batches": _batches, "check-leakage": _check_leakage}[args.command](args, console)
     except (DataError, ValueError) as e:
-        console.print(f"[bold red]error[/] {e}", soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error[/] {e}", soft_wrap=True)
         return 2
 
 

@@ -1,0 +1,541 @@
+"""The JAX trainer: one recipe in, a run dir with metrics, checkpoints and a loss curve out.
+
+Run it with ``uv run --frozen olmo-train-jax [RECIPE.yaml] [--key=value ...]`` (see cli.py);
+with no recipe it trains the default toy job (model "small", the embedded sample mixture,
+100 steps of 16 x 512 tokens).
+
+What one optimizer step s (1-based) does, identically to the Torch trainer:
+
+- global batch s-1 of the mixture order, split over (data, fsdp) and over ``accumulation``
+  micro-steps (``olmo_model.recipe.batch_layout``) inside ONE jitted function (``lax.scan``);
+- loss = (sum of token CE + z_loss_weight x sum of logsumexp^2) / (valid tokens in the GLOBAL
+  batch), so the value and the gradient do not depend on the device count or accumulation;
+- grad norm: global L2 over all gradients in float32, clipped by torch's clip_grad_norm_
+  formula scale = min(1, clip / (norm + 1e-6)); the logged norm is the one before clipping;
+- AdamW (optax's scale_by_adam + add_decayed_weights, decoupled; no decay on the input
+  embedding unless optim.decay_embeddings, norms decayed iff optim.decay_norms) with the LR of
+  ``recipe.schedule.lr(s, ...)`` computed on the host and passed in as an argument;
+- with the spike guard enabled the step is split in two jitted calls (gradients, then the
+  update) so that the host can decide to skip: a skipped step changes no parameter, moment or
+  Adam count, and its batch counts as consumed.
+
+Precision fp32 runs everything in float32 (matmuls at "highest" precision); bf16 keeps float32
+master weights and AdamW state and runs the model's matmuls in bfloat16, loss and reductions
+in float32.
+
+Start-up order: recipe -> spec -> mixture and leakage check -> mesh and batch layout -> the
+checkpoint to resume (checked against spec, framework and mixture fingerprint) -> only then
+is anything written to the run dir, so bad input leaves it untouched.
+
+Test hook: the environment variable ``OLMO_TEST_KILL_AFTER_CHECKPOINT=N`` makes the process
+SIGKILL itself right after the step-N checkpoint is committed (used by the exact-resume tests).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from olmo_data import MixtureLoader, assert_no_leakage, load_mixture
+from olmo_data.mixture import Mixture
+from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
+from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
+from olmo_model.runlog import (
+    MetricsLog,
+    SpikeGuard,
+    TrainingStateError,
+    check_meta_fits,
+    complete_checkpoints,
+    plot_loss,
+    prepare_run_dir,
+    print_summary,
+    read_meta,
+    training_meta,
+)
+
+from . import sharding
+from .checkpoint import Checkpointer, abstract_like, restore_state
+from .hf_adapter import model_from_hf
+from .model import build_model
+
+FRAMEWORK = "jax"
+IGNORE_INDEX = -100
+# torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (kept for parity).
+CLIP_EPS = 1e-6
+BATCH_KEYS = ("input_ids", "labels", "doc_ids")
+
+
+# ---- the maths of one step -----------------------------------------------------------------
+
+def token_loss_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(sum of CE, sum of logsumexp^2, valid tokens) over labels != -100, in float32."""
+    logits = logits.astype(jnp.float32)
+    valid = labels != IGNORE_INDEX
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0))
+    z = jnp.sum(jnp.where(valid, lse * lse, 0.0))
+    return ce, z, jnp.sum(valid).astype(jnp.float32)
+
+
+def global_norm(tree: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
+def decay_mask(params: dict, recipe: Recipe) -> dict:
+    """True where AdamW applies weight decay (Olmo 3: not on the input embedding)."""
+
+    def decays(path, _):
+        name = path[-1].key
+        if name == "embed":
+            return recipe.optim.decay_embeddings
+        if name.endswith("norm"):
+            return recipe.optim.decay_norms
+        return True
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(params: dict, recipe: Recipe) -> optax.GradientTransformation:
+    """optax.adamw without its learning-rate stage: the trainer multiplies by the host LR itself,
+    so the schedule stays a host function shared with the Torch trainer."""
+    o = recipe.optim
+    return optax.chain(
+        optax.scale_by_adam(b1=o.betas[0], b2=o.betas[1], eps=o.eps),
+        optax.add_decayed_weights(o.weight_decay, mask=decay_mask(params, recipe)),
+    )
+
+
+@dataclass
+class StepFunctions:
+    """Jitted pieces of a step; ``fused`` = ``apply(grads(...))`` in one program."""
+
+    grads: Any
+    apply: Any
+    fused: Any
+    evaluate: Any
+
+
+def make_step_functions(
+    graphdef: Any,
+    spec: ModelSpec,
+    recipe: Recipe,
+    tx: optax.GradientTransformation,
+    params_sharding: Any,
+    opt_sharding: Any,
+    mesh: jax.sharding.Mesh,
+) -> StepFunctions:
+    z_weight = spec.z_loss_weight
+    clip = recipe.optim.grad_clip
+    replicated = NamedSharding(mesh, P())
+    batch_sh = sharding.batch_sharding(mesh)
+
+    def micro_loss(params, input_ids, labels, doc_ids, n_tokens):
+        logits = nnx.merge(graphdef, params)(input_ids, doc_ids)
+        ce, z, _ = token_loss_sums(logits, labels)
+        return (ce + z_weight * z) / n_tokens, (ce, z)
+
+    def grads_and_stats(params, batch):
+        # Normalise by the valid tokens of the whole global batch (all micro-steps, all devices).
+        n_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32), 1.0)
+        grad_fn = jax.grad(micro_loss, has_aux=True)
+
+        def micro_step(carry, micro):
+            acc, ce_sum, z_sum = carry
+            g, (ce, z) = grad_fn(params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens)
+            return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z), None
+
+        zero = jax.tree.map(jnp.zeros_like, params)
+        (grads, ce, z), _ = jax.lax.scan(micro_step, (zero, jnp.float32(0), jnp.float32(0)), batch)
+        grads = jax.lax.with_sharding_constraint(grads, params_sharding)
+        stats = {
+            "loss": (ce + z_weight * z) / n_tokens,
+            "ce_loss": ce / n_tokens,
+            "z_loss": z / n_tokens,
+            "grad_norm": global_norm(grads),
+        }
+        return grads, stats
+
+    def apply_update(params, opt_state, grads, grad_norm, lr):
+        if clip is not None:
+            scale = jnp.minimum(1.0, clip / (grad_norm + CLIP_EPS))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+        return params, opt_state
+
+    def fused(params, opt_state, batch, lr):
+        grads, stats = grads_and_stats(params, batch)
+        params, opt_state = apply_update(params, opt_state, grads, stats["grad_norm"], lr)
+        return params, opt_state, stats
+
+    def evaluate(params, input_ids, labels, doc_ids):
+        logits = nnx.merge(graphdef, params)(input_ids, doc_ids)
+        ce, _, n = token_loss_sums(logits, labels)
+        return ce, n
+
+    batch_in = {k: batch_sh for k in BATCH_KEYS}
+    stats_out = {k: replicated for k in ("loss", "ce_loss", "z_loss", "grad_norm")}
+    return StepFunctions(
+        grads=jax.jit(
+            grads_and_stats, in_shardings=(params_sharding, batch_in), out_shardings=(params_sharding, stats_out)
+        ),
+        apply=jax.jit(
+            apply_update,
+            in_shardings=(params_sharding, opt_sharding, params_sharding, replicated, replicated),
+            out_shardings=(params_sharding, opt_sharding),
+            donate_argnums=(0, 1, 2),
+        ),
+        fused=jax.jit(
+            fused,
+            in_shardings=(params_sharding, opt_sharding, batch_in, replicated),
+            out_shardings=(params_sharding, opt_sharding, stats_out),
+            donate_argnums=(0, 1),
+        ),
+        evaluate=jax.jit(evaluate, out_shardings=(replicated, replicated)),
+    )
+
+
+# ---- throughput reference --------------------------------------------------------------------
+
+def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
+    """Best fp32 FLOP/s of a size x size matmul on one CPU device, in JAX: the honest CPU peak."""
+    dev = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), dev)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def device_peak() -> tuple[float, str]:
+    """(peak FLOP/s per device, label) for MFU: bf16 table peak on accelerators, measured on CPU."""
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        peak = measure_cpu_matmul_peak()
+        return peak, f"measured cpu fp32 matmul {peak / 1e9:.1f} GFLOP/s"
+    entry = resolve_device_kind(dev.device_kind)
+    return entry.bf16_flops_per_device, f"{entry.kind} bf16 {entry.bf16_flops_per_device / 1e12:.0f} TFLOP/s"
+
+
+# ---- start-up: everything that can fail before the run dir is touched ------------------------
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    spec: ModelSpec
+    mixture: Mixture
+    sequence_length: int
+    layout: BatchLayout
+    mesh: jax.sharding.Mesh
+    total_steps: int
+    loader: MixtureLoader
+    resume: tuple[int, Path, dict] | None  # (step, checkpoint dir, meta)
+
+
+def _mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
+    """The mixture cut into windows of the recipe's sequence length (train.sequence_length)."""
+    if sequence_length == mixture.sequence_length:
+        return mixture
+    return Mixture(mixture.config.model_copy(update={"sequence_length": sequence_length}), mixture.path)
+
+
+def plan_run(recipe: Recipe) -> Plan:
+    """Check everything that can be checked without writing: raises RecipeError, SpecError,
+    DataError or TrainingStateError with a one-line message."""
+    spec = recipe.model_spec()
+    raw = load_mixture(recipe.data.mixture)
+    seq = recipe.sequence_length(raw.sequence_length)
+    mixture = _mixture_at(raw, seq)
+    if mixture.config.vocab_size > spec.vocab_size:
+        raise RecipeError(
+            f"{mixture.path}: vocab_size {mixture.config.vocab_size} exceeds the model's vocab_size "
+            f"{spec.vocab_size}; use a model preset whose vocabulary covers the mixture's tokens"
+        )
+    assert_no_leakage(mixture, allow=recipe.data.allow_leakage)
+    global_batch = recipe.global_batch_sequences(seq)
+    mesh = sharding.make_mesh(recipe.jax.mesh)
+    layout = batch_layout(global_batch, sharding.dp_size(mesh), recipe.train.micro_batch_size)
+    total = recipe.total_steps()
+    loader = MixtureLoader(
+        mixture, global_batch, dp_rank=jax.process_index(), dp_size=jax.process_count(), prefetch=recipe.data.prefetch
+    )
+
+    run_dir = recipe.resolved_run_dir()
+    done = complete_checkpoints(run_dir)
+    resume = None
+    if done and not recipe.checkpoint.resume:
+        raise TrainingStateError(
+            f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
+            "use a new run_dir (or name), or set checkpoint.resume=true"
+        )
+    if done:
+        step, ckpt = done[-1]
+        meta = read_meta(ckpt)
+        check_meta_fits(meta, ckpt, spec, FRAMEWORK)
+        loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
+        if step > total:
+            raise TrainingStateError(
+                f"{ckpt}: the run is at step {step}, past this recipe's {total} steps; "
+                f"raise train.steps to at least {step} or use a new run_dir"
+            )
+        resume = (step, ckpt, meta)
+    elif recipe.init.checkpoint:
+        _check_init_source(recipe, spec)
+    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume)
+
+
+def _check_init_source(recipe: Recipe, spec: ModelSpec) -> None:
+    source = recipe.init.checkpoint
+    assert source is not None
+    if source.startswith("hf:"):
+        path = Path(source.removeprefix("hf:"))
+        if not path.is_dir() or not list(path.glob("*.safetensors")):
+            raise TrainingStateError(
+                f"init.checkpoint={source}: {path} holds no *.safetensors; point it at an HF model folder"
+            )
+        return
+    ckpt = Path(source)
+    check_meta_fits(read_meta(ckpt), ckpt, spec, FRAMEWORK)
+
+
+def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+class _Console:
+    """Progress bar on a terminal when log.progress, plain lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, start: int):
+        self.progress = None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), transient=False,
+            )
+            self.task = self.progress.add_task("train", total=total, completed=start, info="")
+            self.progress.start()
+
+    def line(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, info: str) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """Every process holds the whole evaluation batch; split it over data-parallel devices when
+    its rows divide, else replicate it (a short last batch)."""
+    rows = batch["input_ids"].shape[0]
+    spec = P(sharding.BATCH_AXES, None) if rows % sharding.dp_size(mesh) == 0 else P()
+    sh = NamedSharding(mesh, spec)
+    return {
+        k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS
+    }
+
+
+def run_eval(fns: StepFunctions, params: Any, plan: Plan) -> dict[str, dict[str, float]]:
+    """Token-weighted CE over each held-out source's fixed evaluation set."""
+    out = {}
+    for name in plan.mixture.held_out_sources:
+        ce_total, n_total = 0.0, 0.0
+        for batch in plan.loader.eval_batches(name, plan.recipe.eval.batch_size):
+            b = _put_eval_batch(batch, plan.mesh)
+            ce, n = fns.evaluate(params, b["input_ids"], b["labels"], b["doc_ids"])
+            ce_total += float(ce)
+            n_total += float(n)
+        loss = ce_total / max(n_total, 1.0)
+        out[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": int(n_total)}
+    return out
+
+
+def train(recipe: Recipe) -> Path:
+    """Run (or resume) the recipe's training job; returns the run dir."""
+    sharding.initialize_distributed(recipe)
+    is_main = jax.process_index() == 0
+    if is_main:
+        print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
+    plan = plan_run(recipe)
+    spec, layout, mesh, total = plan.spec, plan.layout, plan.mesh, plan.total_steps
+    run_dir = recipe.resolved_run_dir()
+    start = plan.resume[0] if plan.resume else 0
+    if start == total:
+        print(f"{run_dir}: already complete (checkpoint at step {total} of {total}); nothing to do", flush=True)
+        return run_dir
+
+    print(sharding.describe_mesh(mesh), flush=True)
+    print(f"batch layout: {layout.describe()} (sequence length {plan.sequence_length})", flush=True)
+    prepare_run_dir(recipe, spec, is_main)
+
+    compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
+    make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat)
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_model))
+    abstract_params = abstract_state.to_pure_dict()
+    params_sh = sharding.param_shardings(abstract_params, spec, mesh)
+    tx = make_optimizer(abstract_params, recipe)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_sh = sharding.state_shardings(abstract_opt, params_sh, mesh)
+    init_opt = jax.jit(tx.init, out_shardings=opt_sh)
+
+    guard = SpikeGuard.from_recipe(recipe)
+    if plan.resume:
+        step0, ckpt, meta = plan.resume
+        params, opt_state, saved_step = restore_state(
+            ckpt, abstract_like(abstract_params, params_sh), abstract_like(abstract_opt, opt_sh)
+        )
+        if saved_step != step0:
+            raise TrainingStateError(f"{ckpt}: state holds step {saved_step} but meta.json says {step0}; damaged")
+        guard.load_state_dict(meta.get("spike_guard", {}))
+        before = meta.get("layout")
+        print(
+            f"resumed from {ckpt} at step {step0}"
+            + (f" (it was written with {BatchLayout(**before).describe()})" if before else ""),
+            flush=True,
+        )
+    else:
+        params = _initial_params(recipe, spec, make_model, abstract_params, params_sh)
+        opt_state = init_opt(params)
+        if recipe.init.checkpoint and recipe.init.load_optimizer and not recipe.init.checkpoint.startswith("hf:"):
+            _, opt_state, _ = restore_state(
+                Path(recipe.init.checkpoint),
+                abstract_like(abstract_params, params_sh),
+                abstract_like(abstract_opt, opt_sh),
+            )
+
+    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
+    peak, peak_label = device_peak()
+    n_devices = jax.device_count()
+    seq = plan.sequence_length
+    tokens_per_step = layout.global_batch * seq
+    fpt = flops_per_token(spec, seq)
+    metrics = MetricsLog(run_dir, resume_step=start, enabled=is_main)
+    checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, recipe.checkpoint.async_save)
+    console = _Console(recipe.log.progress and is_main, total, start)
+    started = time.time()
+
+    def save(step: int) -> None:
+        extra = {"spike_guard": guard.state_dict(), "layout": layout.model_dump(), "mesh": dict(mesh.shape)}
+        meta = training_meta(FRAMEWORK, step, spec, recipe, plan.loader.state_dict(), extra)
+        checkpointer.save(step, params, opt_state, meta)
+
+    def evaluate(step: int) -> None:
+        if not plan.mixture.held_out_sources:
+            return
+        result = run_eval(fns, params, plan)
+        metrics.write({"kind": "eval", "step": step, "eval": result})
+        console.line(f"eval step {step}: " + ", ".join(
+            f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items()
+        ))
+
+    batches = iter(plan.loader)
+    try:
+        for step in range(start + 1, total + 1):
+            # The step time includes waiting for the batch, not checkpointing or evaluation.
+            t0 = time.perf_counter()
+            local = next(batches)
+            batch = {
+                k: sharding.global_batch_array(local[k], mesh, layout.accumulation_steps, layout.global_batch)
+                for k in BATCH_KEYS
+            }
+            lr = recipe.schedule.lr(step, recipe.optim.lr, total)
+            lr_arg = np.float32(lr)
+            if guard.enabled:
+                grads, stats = fns.grads(params, batch)
+                loss, grad_norm = float(stats["loss"]), float(stats["grad_norm"])
+                skipped = guard.should_skip(loss, grad_norm)
+                if skipped:
+                    del grads
+                else:
+                    guard.record(loss, grad_norm)
+                    params, opt_state = fns.apply(params, opt_state, grads, stats["grad_norm"], lr_arg)
+            else:
+                params, opt_state, stats = fns.fused(params, opt_state, batch, lr_arg)
+                skipped = False
+            values = {k: float(v) for k, v in stats.items()}
+            step_time = time.perf_counter() - t0
+            tps = tokens_per_step / step_time
+            if step % recipe.log.every == 0 or step == total:
+                record = {
+                    "kind": "train",
+                    "step": step,
+                    "loss": values["loss"],
+                    "ce_loss": values["ce_loss"],
+                    "z_loss": values["z_loss"],
+                    "lr": lr,
+                    "grad_norm": values["grad_norm"],
+                    "skipped": skipped,
+                    "tokens_seen": step * tokens_per_step,
+                    "tokens_per_second": tps,
+                    "tokens_per_second_per_device": tps / n_devices,
+                    "tflops_per_device": fpt * tps / n_devices / 1e12,
+                    "mfu": mfu(spec, seq, tps / n_devices, peak_flops_per_device=peak),
+                    "mfu_peak": peak_label,
+                    "step_time": step_time,
+                    "time": time.time() - started,
+                }
+                metrics.write(record)
+                console.line(
+                    f"step {step}/{total} loss {values['loss']:.4f} lr {lr:.3e} grad_norm {values['grad_norm']:.3f}"
+                    f" {tps:,.0f} tok/s mfu {record['mfu']:.1%}" + (" SKIPPED" if skipped else "")
+                )
+            console.advance(f"loss {values['loss']:.4f}")
+            if step % recipe.checkpoint.every == 0 or step == total:
+                save(step)
+            if step % recipe.eval.every == 0 or step == total:
+                evaluate(step)
+    finally:
+        console.close()
+        checkpointer.close()
+
+    if is_main:
+        print_summary(run_dir, f"olmo-train-jax: {run_dir}")
+        png = plot_loss(run_dir)
+        if png is not None:
+            print(f"loss curve: {png}", flush=True)
+    return run_dir
+
+
+def _initial_params(recipe: Recipe, spec: ModelSpec, make_model, abstract_params: dict, params_sh: Any) -> dict:
+    """Fresh weights from recipe.train.seed, or the weights of init.checkpoint (ours or hf:DIR)."""
+    source = recipe.init.checkpoint
+    if source is None:
+        return jax.jit(lambda: nnx.split(make_model())[1].to_pure_dict(), out_shardings=params_sh)()
+    if source.startswith("hf:"):
+        model = model_from_hf(spec, _read_safetensors(Path(source.removeprefix("hf:"))))
+        pure = nnx.split(model)[1].to_pure_dict()
+        return jax.tree.map(lambda x, s: jax.device_put(x, s), pure, params_sh)
+    params, _, _ = restore_state(Path(source), abstract_like(abstract_params, params_sh), None)
+    return params

@@ -1,0 +1,53 @@
+"""``olmo-train-torch``: train (or resume) an Olmo 3 model from a recipe with PyTorch.
+
+One process (CPU, or one GPU)::
+
+    uv run --frozen olmo-train-torch [RECIPE.yaml] [--train.steps=200 --optim.lr=6e-4 ...]
+    uv run --frozen python -m olmo_train_torch [RECIPE.yaml] [--key=value ...]
+
+Several processes on one machine (one per GPU; on CPU the gloo backend)::
+
+    uv run --frozen torchrun --nproc-per-node 8 -m olmo_train_torch RECIPE.yaml --torch.parallel=fsdp
+
+Several machines: see ``olmo_train_torch.parallelize``. Without a recipe the defaults run
+(model "small", the embedded sample mixture, 100 steps of 16 x 512 tokens). A bad recipe,
+spec, mixture or checkpoint prints one line to stderr (rank 0) and exits with status 2,
+before the run dir is touched.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.distributed as dist
+from olmo_data import DataError
+from olmo_model import SpecError, UnknownDeviceError
+from olmo_model.recipe import RecipeError, load_recipe
+from olmo_model.runlog import TrainingStateError
+
+from .hf_adapter import CheckpointMismatchError
+from .parallelize import env_rank, init_distributed
+from .train import train
+
+USER_ERRORS = (RecipeError, SpecError, DataError, TrainingStateError, CheckpointMismatchError, UnknownDeviceError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    recipe_path = args.pop(0) if args and not args[0].startswith("--") else None
+    try:
+        recipe = load_recipe(recipe_path, args)
+        d = init_distributed(recipe.torch.backend)
+        train(recipe, d)
+    except USER_ERRORS as err:
+        if env_rank() == 0:
+            print(f"olmo-train-torch: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+

@@ -1,0 +1,178 @@
+"""Process group, device mesh and data parallelism for the torch trainer.
+
+The model (``model.py``) knows nothing of parallelism; this module wraps an unchanged
+``OlmoModel`` from the outside, per ``recipe.torch``:
+
+- ``fsdp``: FSDP2 (``fully_shard``) on every block, then on the root, over a 1-D mesh
+  ``(dp_shard,)`` of all ranks;
+- ``hsdp``: the same over a 2-D mesh ``(dp_replicate, dp_shard)`` = ``(replicate,
+  world / replicate)``: parameters sharded within a group, replicated across groups;
+- ``ddp``: ``DistributedDataParallel`` (every rank holds the full model);
+- ``none``: no wrapper (one process only).
+
+Every mode is pure data parallelism: each rank is one data-parallel rank of the loader,
+so the data-parallel size is always the world size. With precision bf16, FSDP/HSDP use
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 master weights;
+DDP and ``none`` use ``torch.autocast`` instead (see ``autocast_context``).
+Activation checkpointing (``checkpoint_wrapper``, non-reentrant) and ``torch.compile``
+apply per block, before sharding, as torchtitan orders them.
+
+A single process started without torchrun gets no process group at all: the model is
+not wrapped, and checkpoints go through DCP's no-process-group path.
+
+Multi-node launch (the same command on every node; torchrun's c10d rendezvous)::
+
+    torchrun --nnodes=$NNODES --node-rank=$NODE_RANK --nproc-per-node=8 \\
+        --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:29500 --rdzv-id=$JOB_ID \\
+        -m olmo_train_torch recipe.yaml
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from olmo_model.recipe import RecipeError, TorchSection
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """Where this process sits: rank, world size, its device; ``initialized`` when a
+    process group exists (launched by torchrun)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    initialized: bool
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.initialized and self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def barrier(self) -> None:
+        if self.initialized and self.world_size > 1:
+            dist.barrier()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def init_distributed(backend: str) -> Distributed:
+    """Join torchrun's process group (if launched by it) and pick this rank's device.
+
+    backend ``auto``: nccl for GPUs (with gloo alongside for CPU tensors, which async DCP
+    saves need), gloo on CPU."""
+    cuda = torch.cuda.is_available()
+    if not launched_by_torchrun():
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        return Distributed(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "nccl" and not cuda:
+        raise RecipeError("torch.backend=nccl needs CUDA GPUs, and none is visible; use torch.backend=gloo or auto")
+    use_cuda = cuda and backend != "gloo"
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    pg_backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=pg_backend, device_id=device if use_cuda else None)
+    return Distributed(rank=rank, world_size=world, local_rank=local, device=device, initialized=True)
+
+
+def build_mesh(d: Distributed, section: TorchSection) -> DeviceMesh | None:
+    """The data-parallel mesh for ``section.parallel``; None for ``none`` or no process group."""
+    mode = section.parallel
+    if mode == "none":
+        if d.world_size > 1:
+            raise RecipeError(
+                f"torch.parallel=none runs one process, but {d.world_size} were launched; "
+                "use torch.parallel=fsdp, hsdp or ddp, or launch a single process"
+            )
+        return None
+    if not d.initialized:
+        return None
+    if mode == "hsdp":
+        if d.world_size % section.replicate:
+            raise RecipeError(
+                f"torch.replicate={section.replicate} does not divide the {d.world_size} ranks; "
+                f"choose a divisor of {d.world_size}"
+            )
+        shape = (section.replicate, d.world_size // section.replicate)
+        return init_device_mesh(d.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("dp",))
+
+
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh | None, section: TorchSection, precision: str, device: torch.device
+) -> nn.Module:
+    """Apply activation checkpointing, compile and data parallelism to an unchanged model.
+
+    Returns the module to call (the same object except for DDP, which wraps it)."""
+    blocks = model.blocks
+    for i, block in enumerate(blocks):
+        if section.activation_checkpointing:
+            # preserve_rng_state=False: the model has no dropout, so there is no RNG to replay.
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if section.compile:
+            block.compile()
+        blocks[i] = block
+    if mesh is None:
+        return model
+    if section.parallel == "ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def uses_fsdp_precision(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def autocast_context(model: nn.Module, precision: str, device: torch.device):
+    """bf16 compute for modes without FSDP's mixed precision; a no-op otherwise."""
+    if precision == "bf16" and not uses_fsdp_precision(model):
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient reduction on accumulation micro-steps that are not the last one."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    if isinstance(model, DistributedDataParallel) and not enabled:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The OlmoModel inside a DDP wrapper (FSDP2 shards in place and needs no unwrapping)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,537 @@
+"""The torch training loop: recipe -> checks -> model, FSDP2/DDP, AdamW -> steps, eval, checkpoints.
+
+One optimizer step ``s`` (1-based) over a global batch of sequences:
+
+- the global batch is ``MixtureLoader.batch_at(s - 1)``; this rank holds rows
+  ``[r*B/R, (r+1)*B/R)``, split into ``accumulation_steps`` micro-batches;
+- the loss is normalised by the number of valid labels (!= -100) in the whole global batch
+  (all-reduced before the first micro-step), not averaged per rank or micro-batch:
+  ``ce = sum CE / n``, ``z = sum logsumexp(logits)^2 / n``, ``loss = ce + spec.z_loss_weight * z``,
+  logits and logsumexp in float32. The data-parallel reduction (FSDP reduce-scatter, DDP
+  all-reduce) averages gradients over ranks, so each rank's loss is scaled by the rank count;
+  the sum of the ranks' gradients is then exactly the gradient of the global loss;
+- the batch's ``doc_ids`` go to the model, so attention stays within a document (the JAX
+  trainer does the same; the two are compared within 1e-4);
+- grad norm: global L2 over all gradients in float32 (DTensor shards included), logged
+  before clipping; clipping multiplies by ``min(1, clip / (norm + 1e-6))`` as
+  ``torch.nn.utils.clip_grad_norm_``;
+- AdamW (``torch.optim.AdamW``, decoupled decay ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``),
+  LR ``recipe.schedule.lr(s, optim.lr, total)`` set on the host every step; no decay on the
+  input embedding unless ``optim.decay_embeddings``; norms decayed iff ``optim.decay_norms``;
+- spike guard: a skipped step leaves parameters, moments and Adam's step count unchanged
+  (``optimizer.step`` is not called) and still consumes its batch.
+
+Before anything is written (so bad input leaves the run dir untouched): recipe, spec,
+mixture (+ ``train.sequence_length``), leakage check, batch layout, and the latest complete
+checkpoint, which must fit (framework, spec, mixture fingerprint, loader state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from olmo_data import Mixture, MixtureLoader, assert_no_leakage, load_mixture
+from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
+from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
+from olmo_model.runlog import (
+    MetricsLog,
+    SpikeGuard,
+    TrainingStateError,
+    check_meta_fits,
+    complete_checkpoints,
+    plot_loss,
+    prepare_run_dir,
+    print_summary,
+    read_meta,
+    training_meta,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
+from .hf_adapter import load_hf
+from .model import RMSNorm, build_model
+from .parallelize import (
+    Distributed,
+    autocast_context,
+    build_mesh,
+    gradient_sync,
+    parallelize,
+    unwrap,
+)
+
+FRAMEWORK = "torch"
+IGNORE_INDEX = -100
+# torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); the JAX trainer writes the same.
+CLIP_EPS = 1e-6
+
+
+# ---- the maths of one step -------------------------------------------------------------------
+
+def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of CE, sum of logsumexp^2) over labels != -100, in float32; padded vocab rows
+    take part in the logsumexp (not masked, as OLMo-core)."""
+    logits = logits.float()
+    valid = labels != IGNORE_INDEX
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    ce = torch.where(valid, lse - target, zero).sum()
+    z = torch.where(valid, lse * lse, zero).sum()
+    return ce, z
+
+
+def weight_decays(recipe: Recipe) -> dict[str, float]:
+    """Weight decay per parameter group: every matrix decays; the input embedding only with
+    optim.decay_embeddings (Olmo 3: not); norm weights only with optim.decay_norms."""
+    o = recipe.optim
+    return {
+        "matrices": o.weight_decay,
+        "embedding": o.weight_decay if o.decay_embeddings else 0.0,
+        "norms": o.weight_decay if o.decay_norms else 0.0,
+    }
+
+
+def param_groups(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
+    """AdamW groups named matrices / embedding / norms (the name travels in checkpoints)."""
+    members: dict[str, list[nn.Parameter]] = {"matrices": [], "embedding": [], "norms": []}
+    for module in unwrap(model).modules():
+        own = list(module.parameters(recurse=False))
+        if isinstance(module, nn.Embedding):
+            members["embedding"] += own
+        elif isinstance(module, RMSNorm):
+            members["norms"] += own
+        else:
+            members["matrices"] += own
+    decays = weight_decays(recipe)
+    return [{"name": k, "params": v, "weight_decay": decays[k]} for k, v in members.items() if v]
+
+
+def make_optimizer(model: nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.AdamW:
+    o = recipe.optim
+    # fused kernels on GPU; foreach (multi-tensor) on CPU, where it is the fastest exact path.
+    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(param_groups(model, recipe), lr=o.lr, betas=o.betas, eps=o.eps, **fast)
+
+
+def apply_recipe_hyperparams(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
+    """After loading optimizer state: the recipe, not the checkpoint, decides betas, eps and
+    weight decay (the moments and step count come from the checkpoint)."""
+    decays = weight_decays(recipe)
+    for group in optimizer.param_groups:
+        group["betas"], group["eps"] = recipe.optim.betas, recipe.optim.eps
+        group["weight_decay"] = decays[group["name"]]
+
+
+def grad_global_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm over all gradients (float32); a sharded DTensor norm is reduced over ranks."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm.float()
+
+
+@dataclass
+class StepStats:
+    loss: float
+    ce_loss: float
+    z_loss: float
+    grad_norm: float
+    skipped: bool
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, np.ndarray],
+    *,
+    layout: BatchLayout,
+    d: Distributed,
+    spec: ModelSpec,
+    recipe: Recipe,
+    lr: float,
+    guard: SpikeGuard,
+) -> StepStats:
+    """One optimizer step over this rank's slice of a global batch."""
+    device = d.device
+    tensors = {k: torch.from_numpy(batch[k]).to(device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
+    count = (tensors["labels"] != IGNORE_INDEX).sum().to(torch.float32)
+    n_global = d.all_reduce_sum(count).clamp_min(1.0)
+    # Gradients are averaged over data-parallel ranks by FSDP/DDP: scale up by the rank count.
+    scale = d.world_size / n_global
+    sums = torch.zeros(2, dtype=torch.float32, device=device)
+    micro = layout.per_device_batch
+    for i in range(layout.accumulation_steps):
+        rows = slice(i * micro, (i + 1) * micro)
+        last = i == layout.accumulation_steps - 1
+        with gradient_sync(model, last), autocast_context(model, recipe.train.precision, device):
+            logits = model(tensors["input_ids"][rows], tensors["doc_ids"][rows])
+            ce, z = token_loss_sums(logits, tensors["labels"][rows])
+            ((ce + spec.z_loss_weight * z) * scale).backward()
+        sums += torch.stack([ce.detach(), z.detach()])
+    d.all_reduce_sum(sums)
+    ce_mean, z_mean = (sums / n_global).tolist()
+    loss = ce_mean + spec.z_loss_weight * z_mean
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    norm = grad_global_norm(params)
+    grad_norm = float(norm)
+    skipped = guard.should_skip(loss, grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+        return StepStats(loss, ce_mean, z_mean, grad_norm, True)
+    guard.record(loss, grad_norm)
+    if recipe.optim.grad_clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, recipe.optim.grad_clip, norm, foreach=True)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepStats(loss, ce_mean, z_mean, grad_norm, False)
+
+
+def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
+    """sha256 over the per-row hashes of the GLOBAL batch, in row order: the same string for
+    any number of ranks, so resumed and elastic runs can prove they saw the same data."""
+    rows = np.stack([
+        np.frombuffer(hashlib.sha256(ids.tobytes() + lab.tobytes()).digest(), dtype=np.uint8)
+        for ids, lab in zip(batch["input_ids"].astype(np.int32), batch["labels"].astype(np.int32))
+    ])
+    local = torch.from_numpy(rows).to(d.device)
+    if d.initialized and d.world_size > 1:
+        parts = [torch.empty_like(local) for _ in range(d.world_size)]
+        dist.all_gather(parts, local)
+        local = torch.cat(parts)
+    return hashlib.sha256(local.cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module, loader: MixtureLoader, d: Distributed, recipe: Recipe
+) -> dict[str, dict[str, float]]:
+    """Token-weighted CE over each held-out source's fixed evaluation set. A batch whose rows
+    divide over the ranks is split; otherwise every rank runs it whole (sharded weights need
+    every rank in each forward) and only rank 0's sums count."""
+    out = {}
+    for name in loader.mixture.held_out_sources:
+        sums = torch.zeros(2, dtype=torch.float64, device=d.device)
+        for batch in loader.eval_batches(name, recipe.eval.batch_size):
+            rows = batch["input_ids"].shape[0]
+            if rows % d.world_size == 0:
+                per = rows // d.world_size
+                part, counts = slice(d.rank * per, (d.rank + 1) * per), True
+            else:
+                part, counts = slice(0, rows), d.is_main
+            t = {k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
+            with autocast_context(model, recipe.train.precision, d.device):
+                logits = model(t["input_ids"], t["doc_ids"])
+            ce, _ = token_loss_sums(logits, t["labels"])
+            if counts:
+                sums += torch.stack([ce.double(), (t["labels"] != IGNORE_INDEX).sum().double()])
+        d.all_reduce_sum(sums)
+        ce_total, n = sums.tolist()
+        loss = ce_total / max(n, 1.0)
+        out[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": int(n)}
+    return out
+
+
+# ---- throughput reference ------------------------------------------------------------------------
+
+def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 4) -> float:
+    """Best fp32 FLOP/s of a size x size matmul in torch on this process's CPU threads."""
+    a = torch.ones(size, size)
+    a @ a
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def device_peak(device: torch.device) -> tuple[float, str]:
+    """(peak FLOP/s per device, label): the bf16 table peak on GPUs, a measured matmul on CPU."""
+    if device.type == "cuda":
+        entry = resolve_device_kind(torch.cuda.get_device_name(device))
+        return entry.bf16_flops_per_device, f"{entry.kind} bf16 {entry.bf16_flops_per_device / 1e12:.0f} TFLOP/s"
+    peak = measure_cpu_matmul_peak()
+    return peak, f"measured cpu fp32 matmul {peak / 1e9:.1f} GFLOP/s"
+
+
+# ---- start-up: everything that can fail before the run dir is touched -------------------------
+
+@dataclass
+class Plan:
+    recipe: Recipe
+    spec: ModelSpec
+    mixture: Mixture
+    sequence_length: int
+    layout: BatchLayout
+    mesh: DeviceMesh | None  # None: one process, no wrapper
+    total_steps: int
+    loader: MixtureLoader
+    resume: tuple[int, Path, dict[str, Any]] | None  # (step, checkpoint dir, meta)
+
+
+def mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
+    """The mixture cut into windows of train.sequence_length (olmo_data takes the length from
+    the mixture file; this re-opens the same sources with another length)."""
+    if sequence_length == mixture.sequence_length:
+        return mixture
+    return Mixture(mixture.config.model_copy(update={"sequence_length": sequence_length}), mixture.path)
+
+
+def plan_run(recipe: Recipe, d: Distributed) -> Plan:
+    """Check everything checkable without writing; raises RecipeError, SpecError, DataError,
+    LeakageError or TrainingStateError with a one-line message."""
+    spec = recipe.model_spec()
+    raw = load_mixture(recipe.data.mixture)
+    seq = recipe.sequence_length(raw.sequence_length)
+    mixture = mixture_at(raw, seq)
+    if mixture.config.vocab_size > spec.vocab_size:
+        raise RecipeError(
+            f"{mixture.path}: vocab_size {mixture.config.vocab_size} exceeds the model's vocab_size "
+            f"{spec.vocab_size}; use a model whose vocabulary covers the mixture's tokens"
+        )
+    if seq > spec.max_position_embeddings:
+        raise RecipeError(
+            f"sequence length {seq} exceeds the model's max_position_embeddings {spec.max_position_embeddings}; "
+            "lower train.sequence_length or raise max_position_embeddings in the model spec"
+        )
+    assert_no_leakage(mixture, allow=recipe.data.allow_leakage)
+    global_batch = recipe.global_batch_sequences(seq)
+    layout = batch_layout(global_batch, d.world_size, recipe.train.micro_batch_size)
+    mesh = build_mesh(d, recipe.torch)
+    total = recipe.total_steps()
+    loader = MixtureLoader(
+        mixture, global_batch, dp_rank=d.rank, dp_size=d.world_size, prefetch=recipe.data.prefetch
+    )
+    run_dir = recipe.resolved_run_dir()
+    done = complete_checkpoints(run_dir)
+    resume = None
+    if done and not recipe.checkpoint.resume:
+        raise TrainingStateError(
+            f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
+            "use a new run_dir (or name), or set checkpoint.resume=true"
+        )
+    if done:
+        step, ckpt = done[-1]
+        meta = read_meta(ckpt)
+        check_meta_fits(meta, ckpt, spec, FRAMEWORK)
+        loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
+        if loader.step != step:
+            raise TrainingStateError(f"{ckpt}: loader state is at step {loader.step} but meta.json says {step}; damaged")
+        if step > total:
+            raise TrainingStateError(
+                f"{ckpt}: the run is at step {step}, past this recipe's {total} steps; "
+                f"raise train.steps to at least {step} or use a new run_dir"
+            )
+        resume = (step, ckpt, meta)
+    elif recipe.init.checkpoint:
+        check_init_source(recipe, spec)
+    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume)
+
+
+def check_init_source(recipe: Recipe, spec: ModelSpec) -> None:
+    source = recipe.init.checkpoint
+    assert source is not None
+    if source.startswith("hf:"):
+        path = Path(source.removeprefix("hf:"))
+        if not path.is_dir() or not list(path.glob("*.safetensors")):
+            raise TrainingStateError(f"init.checkpoint={source}: {path} holds no *.safetensors; point it at an HF model folder")
+        if recipe.init.load_optimizer:
+            raise RecipeError("init.load_optimizer=true needs one of our checkpoints, and an HF folder has no optimizer; set it false")
+        return
+    ckpt = Path(source)
+    check_meta_fits(read_meta(ckpt), ckpt, spec, FRAMEWORK)
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+class Console:
+    """A rich progress bar on a terminal when log.progress, plain lines otherwise (rank 0
+    only). The bar starts at the first finished step, so start-up lines print plainly."""
+
+    def __init__(self, enabled: bool, is_main: bool, total: int, start: int):
+        self.is_main = is_main
+        self.enabled = enabled and is_main and sys.stderr.isatty()
+        self.total, self.start = total, start
+        self.progress: Any = None
+
+    def line(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, info: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self.task = self.progress.add_task("train", total=self.total, completed=self.start, info="")
+            self.progress.start()
+        self.progress.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def train(recipe: Recipe, d: Distributed) -> Path:
+    """Run (or resume) the recipe's job on this process; returns the run dir."""
+    if d.is_main:
+        print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
+    plan = plan_run(recipe, d)
+    spec, layout, total, seq = plan.spec, plan.layout, plan.total_steps, plan.sequence_length
+    run_dir = recipe.resolved_run_dir()
+    start = plan.resume[0] if plan.resume else 0
+    if start == total:
+        if d.is_main:
+            print(f"{run_dir}: already complete (checkpoint at step {total} of {total}); nothing to do", flush=True)
+        return run_dir
+
+    mesh = plan.mesh
+    console = Console(recipe.log.progress, d.is_main, total, start)
+    mode = recipe.torch.parallel if mesh is not None else "none (single process)"
+    console.line(f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
+                 + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else ""))
+    console.line(f"batch layout: {layout.describe()} (sequence length {seq})")
+    prepare_run_dir(recipe, spec, d.is_main)
+    d.barrier()
+
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(spec, seed=recipe.train.seed, device=d.device)
+    init = recipe.init.checkpoint
+    if plan.resume is None and init and init.startswith("hf:"):
+        load_hf(model, read_safetensors(Path(init.removeprefix("hf:"))))
+        console.line(f"initialised from {init}")
+    model = parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device)
+    optimizer = make_optimizer(model, recipe, d.device)
+    guard = SpikeGuard.from_recipe(recipe)
+    if plan.resume is not None:
+        step0, ckpt, meta = plan.resume
+        load_checkpoint(ckpt, d, model, optimizer)
+        apply_recipe_hyperparams(optimizer, recipe)
+        guard.load_state_dict(meta.get("spike_guard", {}))
+        set_rng_state(meta.get("rng", {}))
+        before = meta.get("layout")
+        console.line(
+            f"resumed from {ckpt} at step {step0}"
+            + (f" (written with {BatchLayout(**before).describe()}; now {layout.describe()})" if before else "")
+        )
+    elif init and not init.startswith("hf:"):
+        load_checkpoint(Path(init), d, model, optimizer if recipe.init.load_optimizer else None)
+        if recipe.init.load_optimizer:
+            apply_recipe_hyperparams(optimizer, recipe)
+        console.line(f"initialised from {init}" + (" (with optimizer state)" if recipe.init.load_optimizer else ""))
+
+    peak, peak_label = device_peak(d.device)
+    tokens_per_step = layout.global_batch * seq
+    fpt = flops_per_token(spec, seq)
+    metrics = MetricsLog(run_dir, resume_step=start, enabled=d.is_main)
+    checkpointer = Checkpointer(run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep)
+    started = time.time()
+
+    def save(step: int) -> None:
+        extra = {"spike_guard": guard.state_dict(), "rng": rng_state(), "layout": layout.model_dump(),
+                 "world_size": d.world_size, "parallel": recipe.torch.parallel}
+        meta = training_meta(FRAMEWORK, step, spec, recipe, plan.loader.state_dict(), extra)
+        checkpointer.save(step, model, optimizer, meta)
+
+    def run_eval(step: int) -> None:
+        if not plan.mixture.held_out_sources:
+            return
+        result = evaluate(model, plan.loader, d, recipe)
+        metrics.write({"kind": "eval", "step": step, "eval": result})
+        console.line(f"eval step {step}: " + ", ".join(
+            f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items()
+        ))
+
+    batches = iter(plan.loader)
+    cuda = d.device.type == "cuda"
+    try:
+        for step in range(start + 1, total + 1):
+            # The step time includes waiting for the batch, not checkpointing or evaluation.
+            t0 = time.perf_counter()
+            batch = next(batches)
+            lr = recipe.schedule.lr(step, recipe.optim.lr, total)
+            stats = train_step(model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=lr, guard=guard)
+            digest = batch_digest(batch, d)
+            step_time = time.perf_counter() - t0
+            checkpointer.poll()
+            tps = tokens_per_step / step_time
+            if step % recipe.log.every == 0 or step == total:
+                record = {
+                    "kind": "train",
+                    "step": step,
+                    "loss": stats.loss,
+                    "ce_loss": stats.ce_loss,
+                    "z_loss": stats.z_loss,
+                    "lr": lr,
+                    "grad_norm": stats.grad_norm,
+                    "skipped": stats.skipped,
+                    "tokens_seen": step * tokens_per_step,
+                    "tokens_per_second": tps,
+                    "tokens_per_second_per_device": tps / d.world_size,
+                    "tflops_per_device": fpt * tps / d.world_size / 1e12,
+                    "mfu": mfu(spec, seq, tps / d.world_size, peak_flops_per_device=peak),
+                    "mfu_peak": peak_label,
+                    "step_time": step_time,
+                    "time": time.time() - started,
+                    "batch_digest": digest,
+                }
+                if cuda:
+                    record["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
+                metrics.write(record)
+                console.line(
+                    f"step {step}/{total} loss {stats.loss:.4f} lr {lr:.3e} grad_norm {stats.grad_norm:.3f}"
+                    f" {tps:,.0f} tok/s mfu {record['mfu']:.1%}" + (" SKIPPED" if stats.skipped else "")
+                )
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(d.device)
+            console.advance(f"loss {stats.loss:.4f}")
+            if step % recipe.checkpoint.every == 0 or step == total:
+                save(step)
+            if step % recipe.eval.every == 0 or step == total:
+                run_eval(step)
+        checkpointer.wait()
+    finally:
+        console.close()
+
+    if d.is_main:
+        print_summary(run_dir, f"olmo-train-torch: {run_dir}")
+        png = plot_loss(run_dir)
+        if png is not None:
+            print(f"loss curve: {png}", flush=True)
+    return run_dir
