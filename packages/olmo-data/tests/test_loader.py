@@ -136,18 +136,21 @@ def test_eval_set_is_fixed(tmp_path, mixture):
         MixtureLoader(mixture, B).eval_batches("nope", 2)
 
 
-def test_repetition_limit_surfaces_through_iteration(tmp_path):
+def test_repetition_limit_stops_within_one_block_of_the_budget(tmp_path):
     import yaml
 
-    path = two_source_mixture(tmp_path, ratios=(0.9, 0.1))
+    path = two_source_mixture(tmp_path, ratios=(0.9, 0.1), seq=4)
     config = yaml.safe_load(path.read_text())
     config["sources"][0]["max_repetition"] = 1.0
     path.write_text(yaml.safe_dump(config))
     mixture = load_mixture(path)
+    # by hand: code has 6292 // 4 = 1573 windows, prose 3147; an epoch is 4720 slots in
+    # 4720 // 1024 = 4 blocks of 1180, of which 0.9 is code (1062 per block). One epoch of
+    # code (the cap) lasts ~1573 / 0.9 = 1748 instances = step 218, inside block 1 (1180..2360).
+    assert mixture.num_instances() == [1573, 3147] and mixture.order.num_blocks == 4
     loader = MixtureLoader(mixture, B, prefetch=2)
     consumed = 0
-    with pytest.raises(DataError, match="beyond max_repetition"):
+    with pytest.raises(DataError, match="would read source 'code' .* beyond max_repetition: 1573 instances = 1 epochs"):
         for _ in loader:
             consumed += 1
-    # code has 393 windows; 0.9 of every batch is code, so the cap bites near step 393/(0.9*8)
-    assert 40 < consumed < 60
+    assert 1180 // B <= consumed <= 1748 // B

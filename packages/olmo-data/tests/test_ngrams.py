@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 
-from olmo_data.ngrams import doc_hash, ngram_hashes
+from olmo_data.ngrams import doc_hash, isin_sorted, ngram_hashes, unique_sorted
 
 BASE = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1
@@ -54,3 +54,15 @@ def test_doc_hash_is_sha256_of_uint32_le():
     expected = hashlib.sha256(struct.pack("<3I", *tokens)).digest()
     assert doc_hash(np.array(tokens, dtype=np.uint32)) == expected
     assert doc_hash(np.array([1, 2], dtype=np.uint16)) == hashlib.sha256(struct.pack("<2I", 1, 2)).digest()
+
+
+def test_unique_sorted_and_isin_sorted_match_python_sets():
+    rng = np.random.default_rng(2)
+    table_values = rng.integers(0, 2**64 - 1, size=200, dtype=np.uint64, endpoint=True)
+    table_values = np.concatenate([table_values, table_values[:50], [np.uint64(2**64 - 1)]])
+    table = unique_sorted(table_values)
+    assert [int(x) for x in table] == sorted({int(x) for x in table_values})
+    queries = np.concatenate([table_values[::7], rng.integers(0, 2**63, size=100, dtype=np.uint64)])
+    expected = [int(q) in {int(x) for x in table_values} for q in queries]
+    assert isin_sorted(queries, table).tolist() == expected
+    assert not isin_sorted(queries, unique_sorted(np.zeros(0, np.uint64))).any()

@@ -132,36 +132,43 @@ def test_rank_slice_needs_a_divisor():
 
 
 def test_realised_ratios_within_one_percent_over_1000_batches():
-    # 0.25 / 0.75 over sources of 500 and 1000 windows: source 0 is upweighted (repeats).
-    order = make_order(sizes=(4000, 8000), slots=largest_remainder([0.25, 0.75], 1500), seq=8)
+    # 0.25 / 0.75 over sources of 5000 and 10000 windows: an epoch of 15000 slots in 14
+    # blocks; 1000 batches of 16 = 16000 instances also cross an epoch boundary.
+    order = make_order(sizes=(40000, 80000), slots=largest_remainder([0.25, 0.75], 15000), seq=8)
+    assert order.num_blocks == 14
     source, _ = order.instances_at(np.arange(1000 * 16))
     realised = np.bincount(source, minlength=2) / source.size
     np.testing.assert_allclose(realised, [0.25, 0.75], atol=0.01)
-    for step in (0, 500, 999):  # also per batch, on average
-        s, _ = order.instances_at(np.arange(step * 16, (step + 1) * 16))
-        assert 0 < (s == 0).sum() < 16
+    # and in every block, exactly: block m holds floor((m+1)*slots/M) - floor(m*slots/M) of each
+    slots = np.array(order.slots)
+    for m in range(14):
+        lo, hi = (m * slots // 14).sum(), ((m + 1) * slots // 14).sum()
+        np.testing.assert_array_equal(np.bincount(source[lo:hi], minlength=2), (m + 1) * slots // 14 - m * slots // 14)
 
 
-def test_epoch_rollover():
-    order = make_order(sizes=(800, 1600), slots=[150, 120], seq=8)  # 100 and 200 windows
+@pytest.mark.parametrize("sizes, slots, blocks", [((800, 1600), (150, 120), 1), ((8000, 16000), (1500, 1200), 2)])
+def test_epoch_rollover(sizes, slots, blocks):
+    order = make_order(sizes=sizes, slots=list(slots), seq=8)
     p = order.epoch_size
-    assert p == 270
+    n0 = sizes[0] // 8  # source 0 windows: fewer than its slots, so it repeats inside an epoch
+    assert p == sum(slots) and order.num_blocks == blocks
     seen = []
     for epoch in range(3):
         idx = np.arange(epoch * p, (epoch + 1) * p)
         source, stream = order.stream_positions(idx)
         # every slot of the epoch exactly once: each source's stream advances by its slots
-        np.testing.assert_array_equal(np.sort(stream[source == 0]), np.arange(epoch * 150, (epoch + 1) * 150))
-        np.testing.assert_array_equal(np.sort(stream[source == 1]), np.arange(epoch * 120, (epoch + 1) * 120))
+        for s in (0, 1):
+            got = np.sort(stream[source == s])
+            np.testing.assert_array_equal(got, np.arange(epoch * slots[s], (epoch + 1) * slots[s]))
         seen.append(source)
     assert (seen[0] != seen[1]).any()  # each epoch is a fresh permutation
-    # source 0 (100 windows, 150 slots/epoch): each repeat of it is a full permutation
+    # each repeat of source 0 is a full permutation of its windows
     source, within = order.instances_at(np.arange(3 * p))
     s0_stream = order.stream_positions(np.arange(3 * p))[1][source == 0]
     s0_within = within[source == 0]
-    for repeat in range(4):
-        got = s0_within[(s0_stream >= repeat * 100) & (s0_stream < (repeat + 1) * 100)]
-        np.testing.assert_array_equal(np.sort(got), np.arange(100))
+    for repeat in range(3 * slots[0] // n0):
+        got = s0_within[(s0_stream >= repeat * n0) & (s0_stream < (repeat + 1) * n0)]
+        np.testing.assert_array_equal(np.sort(got), np.arange(n0))
 
 
 def test_repetition_cap_stops_with_a_clear_error():

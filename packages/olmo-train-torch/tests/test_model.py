@@ -40,7 +40,11 @@ def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize(("preset", "seq"), [("tiny", 96), ("tiny-gqa", 96), ("tiny-yarn", 128)])
+@pytest.mark.parametrize(
+    ("preset", "seq"),
+    # seq 33 = window + 1: only the last query of a sliding layer loses a key (key 0).
+    [("tiny", 96), ("tiny", 33), ("tiny-gqa", 96), ("tiny-yarn", 128)],
+)
 def test_matches_transformers(preset, seq):
     spec = get_preset(preset)
     assert seq > spec.sliding_window and "full_attention" in spec.layer_types
@@ -62,6 +66,7 @@ def test_matches_transformers(preset, seq):
         ("tiny-gqa", {"qk_norm": "per_head"}, 80),
         ("tiny", {"qk_norm": "none"}, 80),
     ],
+    ids=["tiny", "tiny-gqa", "tiny-yarn", "per-head-qk-norm", "no-qk-norm"],
 )
 def test_matches_numpy_reference(preset, changes, seq):
     spec = get_preset(preset).replace(**changes)
@@ -102,7 +107,8 @@ def test_rope_tables_match_transformers(spec):
         ours, ours_scale = rope_inv_freq(spec, spec.rope_yarn_of(layer))
         rope_type = cfg.rope_parameters[kind]["rope_type"]
         if rope_type == "default":
-            theirs = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
+            exponents = torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim
+            theirs = 1.0 / (spec.rope_theta**exponents)
             theirs_scale = 1.0
         else:
             theirs, theirs_scale = ROPE_INIT_FUNCTIONS[rope_type](cfg, layer_type=kind)
@@ -130,15 +136,13 @@ def _doc_masks(doc_ids: torch.Tensor, window: int) -> dict[str, torch.Tensor]:
     """Additive [B,1,S,S] masks for transformers, written out from the definition."""
     b, s = doc_ids.shape
     neg = torch.finfo(torch.float32).min
+    q = torch.arange(s)[:, None]
+    k = torch.arange(s)[None, :]
+    same_doc = doc_ids[:, None, :, None] == doc_ids[:, None, None, :]
     masks = {}
     for kind, w in (("full_attention", s), ("sliding_attention", window)):
-        m = torch.full((b, 1, s, s), neg)
-        for r in range(b):
-            for q in range(s):
-                for k in range(max(0, q - w + 1), q + 1):
-                    if doc_ids[r, k] == doc_ids[r, q]:
-                        m[r, 0, q, k] = 0.0
-        masks[kind] = m
+        visible = (k <= q) & (q - k < w) & same_doc
+        masks[kind] = torch.where(visible, 0.0, neg)
     return masks
 
 
@@ -204,6 +208,17 @@ def test_init_statistics_and_determinism():
     assert not torch.equal(model.blocks[0].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
 
 
+def test_inference_mode_call_leaves_caches_usable_for_training():
+    model = build_model(get_preset("tiny"))
+    ids = random_ids(model.spec, 1, 48)
+    with torch.inference_mode():
+        evaluated = model(ids)
+    trained = model(ids)
+    trained.float().logsumexp(-1).mean().backward()
+    assert torch.equal(evaluated, trained.detach())
+    assert model.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
+
+
 def test_moe_spec_is_refused():
     with pytest.raises(NotImplementedError, match="issue 8"):
         build_model(get_preset("tiny-moe"))
@@ -221,13 +236,36 @@ def test_round_trip_through_hf_names():
         assert torch.equal(a, b), name
 
 
+def _drop(name):
+    return lambda tensors: tensors.pop(name)
+
+
+def _put(name, shape):
+    return lambda tensors: tensors.update({name: np.zeros(shape, dtype=np.float32)})
+
+
 @pytest.mark.parametrize(
     ("corrupt", "needle"),
     [
-        (lambda t: t.pop("model.layers.2.self_attn.k_norm.weight"), "missing tensor 'model.layers.2.self_attn.k_norm.weight'"),
-        (lambda t: t.update({"model.layers.4.mlp.up_proj.weight": np.zeros((192, 64))}), "unexpected tensor 'model.layers.4.mlp.up_proj.weight'"),
-        (lambda t: t.update({"model.layers.1.mlp.down_proj.weight": np.zeros((192, 64))}), "tensor 'model.layers.1.mlp.down_proj.weight' has shape (192, 64), expected (64, 192)"),
-        (lambda t: t.update({"lm_head.weight": np.zeros((4224, 64))}), "vocab mismatch in 'lm_head.weight': checkpoint has 4224 rows"),
+        (
+            _drop("model.layers.2.self_attn.k_norm.weight"),
+            "model.safetensors: missing tensor 'model.layers.2.self_attn.k_norm.weight' "
+            "(expected shape (64,))",
+        ),
+        (
+            _put("model.layers.4.mlp.up_proj.weight", (192, 64)),
+            "model.safetensors: unexpected tensor 'model.layers.4.mlp.up_proj.weight'",
+        ),
+        (
+            _put("model.layers.1.mlp.down_proj.weight", (192, 64)),
+            "model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' has shape (192, 64), "
+            "expected (64, 192)",
+        ),
+        (
+            _put("lm_head.weight", (4224, 64)),
+            "model.safetensors: vocab mismatch in 'lm_head.weight': checkpoint has 4224 rows, "
+            "spec padded_vocab_size is 4096",
+        ),
     ],
     ids=["missing", "unexpected", "shape", "vocab"],
 )
@@ -238,7 +276,7 @@ def test_bad_checkpoint_is_refused_before_copy(corrupt, needle):
     tensors = {k: np.full(v.shape, 0.5, dtype=np.float32) for k, v in to_hf(model, spec).items()}
     corrupt(tensors)
     with pytest.raises(CheckpointMismatchError) as err:
-        load_hf(model, tensors)
+        load_hf(model, tensors, source="model.safetensors")
     assert needle in str(err.value)
     assert "\n" not in str(err.value)
     for name, value in model.state_dict().items():

@@ -62,7 +62,7 @@ def convert(
             if dst_loc.kind == "hf":
                 write_hf(tmp, ckpt.spec, ckpt.tensor, dtype_of, max_shard_bytes)
             elif dst_loc.kind == "olmo-core":
-                write_olmo_core(tmp, ckpt, dtype_of)
+                write_olmo_core(tmp, ckpt, dtype_of, as_file=dst_loc.path.suffix == ".pt")
             elif dst_loc.kind == "torch":
                 from .native import write_torch
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
         )
     except (CheckpointError, SpecError) as err:
-        console.print(f"[red]olmo-convert: error:[/red] {err}", highlight=False)
+        print(f"olmo-convert: error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2
     dst = parse_location(args.dst).path
     table = Table(title="olmo-convert", show_header=False)

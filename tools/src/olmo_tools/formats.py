@@ -417,11 +417,11 @@ class OlmoCoreCheckpoint(Checkpoint):
         return checked_tensor(self, name, t)
 
 
-def write_olmo_core(dst: Path, ckpt: Checkpoint, dtype_of: Callable[[str], torch.dtype]) -> None:
-    """A ``.pt`` state dict when ``dst`` ends in .pt, else a DCP directory with keys under ``model.``
+def write_olmo_core(dst: Path, ckpt: Checkpoint, dtype_of: Callable[[str], torch.dtype], as_file: bool) -> None:
+    """A ``.pt`` state dict (``as_file``), else a DCP directory with keys under ``model.``
     (both need the whole state in memory: torch.save and DCP write one dict)."""
     names = hf_param_shapes(ckpt.spec)
-    if dst.suffix == ".pt":
+    if as_file:
         state = {olmo_core_name(n): ckpt.tensor(n).to(dtype_of(n)) for n in names}
         with open(dst, "wb") as f:
             torch.save(state, f)

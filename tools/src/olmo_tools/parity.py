@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (CheckpointError, SpecError) as err:
-        Console(stderr=True).print(f"[red]olmo-parity: error:[/red] {err}", highlight=False)
+        print(f"olmo-parity: error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2
 
 

@@ -115,6 +115,12 @@ class _HeldOutIndex:
         order = np.argsort(np.concatenate(hashes), kind="stable")
         self.hashes = np.concatenate(hashes)[order]
         self.docs = np.concatenate(docs)[order]
+        # A bitmap over the top hash bits, >= 64 bits per held-out n-gram, screens out ~98% of
+        # training windows with one cache-friendly gather before the costly binary search.
+        bits = int(np.clip(np.ceil(np.log2(max(1, self.hashes.size) * 64)), 16, 32))
+        self.bitmap_shift = np.uint64(64 - bits)
+        self.bitmap = np.zeros(1 << bits, dtype=bool)
+        self.bitmap[self.hashes >> self.bitmap_shift] = True
         self.lengths = np.concatenate(lengths)
         self.first_keys = np.concatenate(firsts)
         # (length, prefix key) -> held-out docs, as a sorted combined key for searchsorted
@@ -132,11 +138,12 @@ class _HeldOutIndex:
 
     def ngram_owners(self, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(window index, held-out doc) for every window hash that occurs in a held-out doc."""
-        pos = np.searchsorted(self.hashes, h, side="left")
-        end = np.searchsorted(self.hashes, h, side="right")
+        maybe = np.flatnonzero(self.bitmap[h >> self.bitmap_shift])
+        pos = np.searchsorted(self.hashes, h[maybe], side="left")
+        end = np.searchsorted(self.hashes, h[maybe], side="right")
         hit = np.flatnonzero(end > pos)
         counts = (end - pos)[hit]
-        windows = np.repeat(hit, counts)
+        windows = np.repeat(maybe[hit], counts)
         # every index in [pos, end) of each hit, flattened
         offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
         return windows, self.docs[np.repeat(pos[hit], counts) + offsets]

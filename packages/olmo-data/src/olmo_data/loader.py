@@ -60,6 +60,7 @@ class MixtureLoader:
         self.dp_size = dp_size
         self.step = start_step  # the next global batch to yield = global batches consumed so far
         self.prefetch = prefetch
+        self.order = self.mixture.order  # built here, not lazily inside Grain's reader threads
 
     @property
     def tokens_per_global_batch(self) -> int:
@@ -67,7 +68,7 @@ class MixtureLoader:
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This rank's rows of global batch `step` (pure: no loader state involved)."""
-        return self.mixture.order.rank_slice(step, self.global_batch_size, self.dp_rank, self.dp_size)
+        return self.order.rank_slice(step, self.global_batch_size, self.dp_rank, self.dp_size)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         steps = grain.MapDataset.range(self.step, self.step + _STEP_HORIZON).map(self.batch_at)
@@ -126,8 +127,9 @@ class MixtureLoader:
 def eval_instances(mixture: Mixture, source_name: str) -> tuple[Any, np.ndarray]:
     """(held-out source, its eval instance numbers): the first eval.sequences_per_source
     instances of a permutation keyed by the mixture seed, sequence length and that source's
-    own file identity, so it ignores training steps, resumes, dp size and even the training
-    sources (two mixtures sharing a held-out set evaluate on the same sequences)."""
+    own file identity (names relative to the YAML, sizes, checksums): it ignores training
+    steps, resumes, dp size and even the training sources, so mixtures that share a
+    held-out set (same relative layout) evaluate on the same sequences."""
     if source_name not in mixture.held_out_sources:
         raise DataError(
             f"{mixture.path}: no held_out source named {source_name!r}; "

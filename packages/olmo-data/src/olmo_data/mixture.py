@@ -109,6 +109,15 @@ def _validation_message(path: Path, err: ValidationError) -> str:
     return f"{path}: " + "; ".join(parts)
 
 
+def _ends_sha256(path: str, span: int = 1 << 16) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        f.seek(max(0, os.path.getsize(path) - span))
+        h.update(f.read(span))
+    return h.hexdigest()
+
+
 class Mixture:
     """A loaded, validated mixture with its sources opened (use `load_mixture`)."""
 
@@ -188,8 +197,9 @@ class Mixture:
         ]
 
     def source_identity(self, source: TokenSource) -> list[dict[str, Any]]:
-        """What identifies a source's files without reading them: relative name, size,
-        token count and, for shards, the manifest's chunk checksums (not mtimes)."""
+        """What identifies a source's files without reading them whole: relative name, size,
+        token count and the manifest's chunk checksums for shards, the sha256 of the first
+        and last 64 KiB for raw files (never mtimes)."""
         parts = getattr(source, "sources", [source])
         out = []
         for p in parts:
@@ -203,6 +213,8 @@ class Mixture:
             if manifest is not None:
                 item["chunks"] = [c["sha256_compressed"] for c in manifest["chunks"]]
                 item["doc_starts"] = manifest["doc_starts"]["sha256_compressed"]
+            else:  # raw files carry no checksums; an equal-size edit away from both ends goes unseen
+                item["ends_sha256"] = _ends_sha256(p.path)
             out.append(item)
         return out
 

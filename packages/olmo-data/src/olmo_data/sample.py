@@ -9,14 +9,15 @@ run can use, built from what ships with Python itself.
 
 A hash of each module's path sends it to code or to prose, so prose docstrings
 are not copies of code we train on. Exact duplicate documents are removed; a hash of each
-document's name puts ~3% of every source into its held-out split, and held-out documents
+document's name puts ~3% of every source (at least ~25k tokens) into its held-out split, and held-out documents
 sharing any 13-gram with the training sources are then dropped (decontamination), so the
 sample passes the loader's leakage check. A byte-level BPE tokenizer (vocab 4096,
 "<|endoftext|>" = 0 = eos, "<|pad|>" = 1) is trained on the training documents.
 
 The build runs once per Python version into `$OLMO_CACHE/sample-v1/python-X.Y.Z` (default
 cache `~/.cache/olmo-twin`), in a unique temp dir renamed into place, so concurrent
-builders are safe. Build it (or print where it is) with:
+builders are safe; a cache whose build.json records another Python version or another
+recipe (a hash of this module, shards.py and ngrams.py) is rebuilt. Build it (or print where it is) with:
 
     uv run --frozen olmo-data sample [--rebuild]
 """
@@ -39,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from olmo_data.errors import DataError
-from olmo_data.ngrams import ngram_hashes
+from olmo_data.ngrams import isin_sorted, ngram_hashes, unique_sorted
 from olmo_data.shards import ShardWriter
 
 SAMPLE_VERSION = "sample-v1"  # bump when the build recipe changes: old caches are then ignored
@@ -51,6 +52,9 @@ SEED = 1234
 EVAL_SEQUENCES = 16
 NGRAM = 13
 HELD_OUT_PER_MILLE = 30  # ~3% of each source's documents are held out
+# ~25k tokens of text: twice the EVAL_SEQUENCES x SEQUENCE_LENGTH the eval set needs, so
+# decontamination can cut some and the build still works on other Python versions.
+HELD_OUT_MIN_CHARS = 96_000
 MIN_FRAGMENT = 64  # shortest decontaminated held-out fragment worth keeping, in tokens
 MAX_FILE_BYTES = 120_000  # larger stdlib files are mostly data tables (_pydecimal aside)
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "encodings"}
@@ -171,6 +175,18 @@ def _dedup(sources: dict[str, list[Document]]) -> dict[str, list[Document]]:
     return out
 
 
+def _split_held_out(docs: list[Document]) -> tuple[list[Document], list[Document]]:
+    """(training, held-out): held-out are the first documents in the order of a hash of
+    their names, enough to be HELD_OUT_PER_MILLE of the documents and HELD_OUT_MIN_CHARS of text."""
+    ranked = sorted(docs, key=lambda d: hashlib.sha256(b"held-out:" + d.name.encode()).digest())
+    count, chars = 0, 0
+    while count < len(ranked) and (count * 1000 < HELD_OUT_PER_MILLE * len(ranked) or chars < HELD_OUT_MIN_CHARS):
+        chars += len(ranked[count].text)
+        count += 1
+    held = {d.name for d in ranked[:count]}
+    return [d for d in docs if d.name not in held], [d for d in docs if d.name in held]
+
+
 def _mixture_yaml(fingerprint: str) -> str:
     return f"""\
 # The embedded olmo-data sample (built by olmo_data.sample; do not edit, it is rebuilt when stale).
@@ -224,7 +240,7 @@ def _clean_fragments(doc: np.ndarray, train_hashes: np.ndarray) -> list[np.ndarr
     covered by a training n-gram is cut out and the clean runs between them are kept.
     """
     body = doc[:-1]  # without its eos, re-added to each fragment
-    hit = np.isin(ngram_hashes(body, NGRAM), train_hashes)
+    hit = isin_sorted(ngram_hashes(body, NGRAM), train_hashes)
     # Token j is covered when a hit window starts in (j - NGRAM, j]: a prefix-sum of hits.
     starts = np.concatenate([[0], np.cumsum(hit)])
     j = np.arange(body.size)
@@ -234,7 +250,7 @@ def _clean_fragments(doc: np.ndarray, train_hashes: np.ndarray) -> list[np.ndarr
     for lo, hi in zip(edges[::2], edges[1::2]):
         frag = np.append(body[lo:hi], doc[-1]).astype(doc.dtype)
         # The re-added eos makes new windows; keep the fragment only if those are clean too.
-        if frag.size >= MIN_FRAGMENT and not np.isin(ngram_hashes(frag, NGRAM), train_hashes).any():
+        if frag.size >= MIN_FRAGMENT and not isin_sorted(ngram_hashes(frag, NGRAM), train_hashes).any():
             fragments.append(frag)
     return fragments
 
@@ -251,13 +267,7 @@ def build_sample(target: Path) -> dict:
     """Build the sample into `target` (which must not exist); returns the build record."""
     t0 = time.perf_counter()
     sources = _dedup(collect_documents())
-    split = {
-        name: (
-            [d for d in docs if _bucket("held-out:" + d.name, 1000) >= HELD_OUT_PER_MILLE],
-            [d for d in docs if _bucket("held-out:" + d.name, 1000) < HELD_OUT_PER_MILLE],
-        )
-        for name, docs in sources.items()
-    }
+    split = {name: _split_held_out(docs) for name, docs in sources.items()}
     tokenizer = train_tokenizer([d.text for train, _ in split.values() for d in train])
 
     def encode(docs: list[Document]) -> list[np.ndarray]:
@@ -266,8 +276,8 @@ def build_sample(target: Path) -> dict:
     train_tokens = {name: encode(train) for name, (train, _) in split.items()}
     # The leakage check hashes the training token stream, windows across document ends
     # included, so hash the same stream here.
-    train_hashes = np.unique(np.concatenate([ngram_hashes(np.concatenate(t), NGRAM) for t in train_tokens.values()]))
-    record: dict = {"version": SAMPLE_VERSION, "python_version": python_version(), "sources": {}}
+    train_hashes = unique_sorted(np.concatenate([ngram_hashes(np.concatenate(t), NGRAM) for t in train_tokens.values()]))
+    record: dict = {"version": SAMPLE_VERSION, "python_version": python_version(), "recipe": recipe_hash(), "sources": {}}
     tmp = target
     for name, (train, held) in split.items():
         held_tokens = encode(held)
@@ -276,7 +286,7 @@ def build_sample(target: Path) -> dict:
         if held_total < EVAL_SEQUENCES * SEQUENCE_LENGTH:
             raise DataError(
                 f"sample: held-out {name} keeps {held_total} tokens after decontamination, fewer than "
-                f"{EVAL_SEQUENCES}x{SEQUENCE_LENGTH}; raise HELD_OUT_PER_MILLE in olmo_data/sample.py"
+                f"{EVAL_SEQUENCES}x{SEQUENCE_LENGTH}; raise HELD_OUT_MIN_CHARS in olmo_data/sample.py"
             )
         _write_shards(tmp / name, name, train_tokens[name], TRAIN_SHARDS)
         _write_shards(tmp / "heldout" / name, name, clean, 1)
@@ -297,12 +307,24 @@ def build_sample(target: Path) -> dict:
     return record
 
 
+def recipe_hash() -> str:
+    """sha256 of the code that decides the sample's bytes: a cache built by other code is stale."""
+    h = hashlib.sha256()
+    for module in ("sample.py", "shards.py", "ngrams.py"):
+        h.update((Path(__file__).parent / module).read_bytes())
+    return h.hexdigest()
+
+
 def _is_current(directory: Path) -> bool:
     try:
         record = json.loads((directory / "build.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return False
-    return record.get("version") == SAMPLE_VERSION and record.get("python_version") == python_version()
+    return (
+        record.get("version") == SAMPLE_VERSION
+        and record.get("python_version") == python_version()
+        and record.get("recipe") == recipe_hash()
+    )
 
 
 def sample_mixture_path(rebuild: bool = False) -> Path:

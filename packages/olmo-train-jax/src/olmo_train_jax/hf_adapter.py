@@ -121,14 +121,14 @@ def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray]) -> None:
         return value.T if transposed else value
 
     for name, (attr, transposed) in _TOP.items():
-        getattr(model, attr)[...] = jnp.asarray(as_param(tensors[name], transposed), dtype)
+        getattr(model, attr).set_value(jnp.asarray(as_param(tensors[name], transposed), dtype))
     for suffix, (attr, transposed) in _LAYER.items():
         if not hasattr(model.layers, attr):  # q_norm / k_norm are absent with qk_norm="none"
             continue
         stacked = np.stack(
             [as_param(tensors[f"model.layers.{i}.{suffix}"], transposed) for i in range(spec.n_layers)]
         )
-        getattr(model.layers, attr)[...] = jnp.asarray(stacked, dtype)
+        getattr(model.layers, attr).set_value(jnp.asarray(stacked, dtype))
 
 
 def model_from_hf(

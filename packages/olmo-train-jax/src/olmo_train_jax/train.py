@@ -403,7 +403,7 @@ def train(recipe: Recipe) -> Path:
     compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
     make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat)
     graphdef, abstract_state = nnx.split(nnx.eval_shape(make_model))
-    abstract_params = abstract_state.to_pure_dict()
+    abstract_params = nnx.to_pure_dict(abstract_state)
     params_sh = sharding.param_shardings(abstract_params, spec, mesh)
     tx = make_optimizer(abstract_params, recipe)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
@@ -517,6 +517,7 @@ def train(recipe: Recipe) -> Path:
             if step % recipe.eval.every == 0 or step == total:
                 evaluate(step)
     finally:
+        batches.close()  # stops the loader's prefetch threads
         console.close()
         checkpointer.close()
 
@@ -532,10 +533,10 @@ def _initial_params(recipe: Recipe, spec: ModelSpec, make_model, abstract_params
     """Fresh weights from recipe.train.seed, or the weights of init.checkpoint (ours or hf:DIR)."""
     source = recipe.init.checkpoint
     if source is None:
-        return jax.jit(lambda: nnx.split(make_model())[1].to_pure_dict(), out_shardings=params_sh)()
+        return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)()
     if source.startswith("hf:"):
         model = model_from_hf(spec, _read_safetensors(Path(source.removeprefix("hf:"))))
-        pure = nnx.split(model)[1].to_pure_dict()
+        pure = nnx.to_pure_dict(nnx.split(model)[1])
         return jax.tree.map(lambda x, s: jax.device_put(x, s), pure, params_sh)
     params, _, _ = restore_state(Path(source), abstract_like(abstract_params, params_sh), None)
     return params

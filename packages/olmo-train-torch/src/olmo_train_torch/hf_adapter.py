@@ -54,27 +54,34 @@ def hf_to_local_names(spec: ModelSpec) -> dict[str, str]:
     return {name: _local_name(name) for name in hf_param_shapes(spec)}
 
 
-def to_hf(model_or_state_dict: OlmoModel | Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def to_hf(
+    model_or_state_dict: OlmoModel | Mapping[str, torch.Tensor], spec: ModelSpec
+) -> dict[str, torch.Tensor]:
     """The model's parameters under HF names (detached, same dtype/device, not copied)."""
-    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, OlmoModel) else model_or_state_dict
+    state = model_or_state_dict
+    if isinstance(state, OlmoModel):
+        state = state.state_dict()
     out = {}
     for hf_name, local in hf_to_local_names(spec).items():
         if local not in state:
             raise CheckpointMismatchError(
-                f"to_hf: state dict has no '{local}' (HF '{hf_name}'); pass the state dict of an OlmoModel built from this spec"
+                f"to_hf: state dict has no '{local}' (HF '{hf_name}'); "
+                "pass the state dict of an OlmoModel built from this spec"
             )
         out[hf_name] = state[local].detach()
     return out
 
 
-def _check(spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], strict: bool) -> None:
+def _check(
+    spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], strict: bool, source: str
+) -> None:
     expected = hf_param_shapes(spec)
     for name, shape in expected.items():
         if name not in tensors:
             if strict:
                 raise CheckpointMismatchError(
-                    f"missing tensor '{name}' (expected shape {shape}); the checkpoint does not match spec "
-                    f"'{spec.name}': load the checkpoint with its own config.json spec, or pass strict=False"
+                    f"{source}: missing tensor '{name}' (expected shape {shape}) for spec '{spec.name}'; "
+                    "build the spec from the checkpoint's config.json, or pass strict=False"
                 )
             continue
         got = tuple(tensors[name].shape)
@@ -82,29 +89,36 @@ def _check(spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], st
             continue
         if name in _VOCAB_TENSORS and got[1:] == shape[1:]:
             raise CheckpointMismatchError(
-                f"vocab mismatch in '{name}': checkpoint has {got[0]} rows, spec padded_vocab_size is "
-                f"{spec.padded_vocab_size}; set padded_vocab_size (and vocab_size) to the checkpoint's tokenizer"
+                f"{source}: vocab mismatch in '{name}': checkpoint has {got[0]} rows, spec padded_vocab_size "
+                f"is {spec.padded_vocab_size}; set padded_vocab_size (and vocab_size) to match the checkpoint"
             )
         raise CheckpointMismatchError(
-            f"tensor '{name}' has shape {got}, expected {shape} for spec '{spec.name}'; "
+            f"{source}: tensor '{name}' has shape {got}, expected {shape} for spec '{spec.name}'; "
             "the checkpoint was written for another model size: use its config.json spec"
         )
     if strict:
         unexpected = [name for name in tensors if name not in expected]
         if unexpected:
             raise CheckpointMismatchError(
-                f"unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all) not in spec '{spec.name}'; "
-                "the checkpoint has parameters this model lacks: check n_layers/qk_norm/moe, or pass strict=False"
+                f"{source}: unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all) not in spec "
+                f"'{spec.name}'; the model lacks it: check n_layers/qk_norm/moe, or pass strict=False"
             )
 
 
 @torch.no_grad()
-def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray | torch.Tensor], *, strict: bool = True) -> None:
+def load_hf(
+    model: OlmoModel,
+    tensors: Mapping[str, np.ndarray | torch.Tensor],
+    *,
+    strict: bool = True,
+    source: str = "checkpoint",
+) -> None:
     """Copy HF-named tensors into ``model`` (cast to each parameter's dtype and device).
 
-    All names and shapes are validated first. ``strict=False`` skips missing tensors and
-    ignores unexpected ones; a wrong shape is always an error."""
-    _check(model.spec, tensors, strict)
+    All names and shapes are validated first; errors start with ``source`` (the file the
+    tensors came from). ``strict=False`` skips missing tensors and ignores unexpected
+    ones; a wrong shape is always an error."""
+    _check(model.spec, tensors, strict, source)
     params = model.state_dict()
     for hf_name, local in hf_to_local_names(model.spec).items():
         if hf_name in tensors:
@@ -115,11 +129,15 @@ def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray | torch.Tensor], 
 
 
 def model_from_hf(
-    spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], dtype: torch.dtype = torch.float32
+    spec: ModelSpec,
+    tensors: Mapping[str, np.ndarray | torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+    *,
+    source: str = "checkpoint",
 ) -> OlmoModel:
     """A CPU model holding exactly the given HF weights (no random init is spent on it)."""
     with torch.device("meta"):
         model = OlmoModel(spec)
     model.to_empty(device="cpu").to(dtype)
-    load_hf(model, tensors, strict=True)
+    load_hf(model, tensors, strict=True, source=source)
     return model

@@ -61,7 +61,8 @@ def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[torch.Tensor,
         return inv_freq, 1.0
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(turns) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
     high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
@@ -161,7 +162,8 @@ class OlmoModel(nn.Module):
         super().__init__()
         if spec.moe is not None:
             raise NotImplementedError(
-                f"MoE spec '{spec.name}': the torch MoE block arrives with issue 8; use a dense spec (moe: null)"
+                f"MoE spec '{spec.name}': the torch MoE block arrives with issue 8; "
+                "use a dense spec (moe: null)"
             )
         self.spec = spec
         self.embed = nn.Embedding(spec.padded_vocab_size, spec.d_model)
@@ -177,22 +179,26 @@ class OlmoModel(nn.Module):
         yarn = self.spec.rope_yarn_of(layer)
         key = (yarn is not None, seq, device)
         if key not in self._rope_cache:
-            inv_freq, scale = rope_inv_freq(self.spec, yarn)
-            freqs = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._rope_cache[key] = (emb.cos() * scale, emb.sin() * scale)
+            # Cached tables outlive the call: made under inference_mode they could not
+            # be saved for a later backward, so they are always made as normal tensors.
+            with torch.inference_mode(False):
+                inv_freq, scale = rope_inv_freq(self.spec, yarn)
+                freqs = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)
+                emb = torch.cat((freqs, freqs), dim=-1)
+                self._rope_cache[key] = (emb.cos() * scale, emb.sin() * scale)
         return self._rope_cache[key]
 
     def _band(self, seq: int, window: int | None, device: torch.device) -> torch.Tensor:
         """[S, S] boolean: key k visible to query q iff q - window < k <= q (window None: k <= q)."""
         key = (seq, window, device)
         if key not in self._mask_cache:
-            q = torch.arange(seq, device=device)[:, None]
-            k = torch.arange(seq, device=device)[None, :]
-            allowed = k <= q
-            if window is not None:
-                allowed &= k > q - window
-            self._mask_cache[key] = allowed
+            with torch.inference_mode(False):  # as in _rope: the cache must serve training too
+                q = torch.arange(seq, device=device)[:, None]
+                k = torch.arange(seq, device=device)[None, :]
+                allowed = k <= q
+                if window is not None:
+                    allowed &= k > q - window
+                self._mask_cache[key] = allowed
         return self._mask_cache[key]
 
     def _mask(
@@ -219,11 +225,12 @@ class OlmoModel(nn.Module):
                     "pass one document label per token"
                 )
             same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # [B,1,S,S]
-        masks = {w: self._mask(w, seq, device, same_doc) for w in {self.spec.window_of(i) for i in range(len(self.blocks))}}
+        windows = [self.spec.window_of(i) for i in range(len(self.blocks))]
+        masks = {w: self._mask(w, seq, device, same_doc) for w in set(windows)}
         x = self.embed(input_ids)
         for i, block in enumerate(self.blocks):
             cos, sin = self._rope(i, seq, device)
-            x = block(x, cos, sin, masks[self.spec.window_of(i)])
+            x = block(x, cos, sin, masks[windows[i]])
         return self.lm_head(self.norm(x))
 
     @torch.no_grad()

@@ -1,0 +1,178 @@
+"""Unit tests of the JAX trainer's maths and placement rules (one CPU device, in-process).
+
+The references are independent of the trainer's code: torch's cross_entropy for the loss
+sums, a numpy AdamW written from the formula in the trainer brief, and partition specs and
+micro-batch layouts derived by hand.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from olmo_model import get_preset
+from olmo_model.recipe import RecipeError, load_recipe
+from olmo_train_jax import sharding
+from olmo_train_jax.model import build_model
+from olmo_train_jax.train import decay_mask, make_optimizer, make_step_functions, token_loss_sums
+
+
+def test_loss_sums_match_torch_cross_entropy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 11)).astype(np.float32) * 3
+    labels = rng.integers(0, 11, size=(2, 5)).astype(np.int32)
+    labels[0, 1] = labels[1, 4] = labels[1, 0] = -100
+    ce, z, n = token_loss_sums(jnp.asarray(logits), jnp.asarray(labels))
+    t_logits, t_labels = torch.from_numpy(logits).double(), torch.from_numpy(labels).long()
+    ref_ce = torch.nn.functional.cross_entropy(t_logits.reshape(-1, 11), t_labels.reshape(-1), reduction="sum")
+    lse = torch.logsumexp(t_logits, dim=-1)
+    ref_z = (lse**2 * (t_labels != -100)).sum()
+    assert float(n) == 7
+    assert float(ce) == pytest.approx(float(ref_ce), rel=1e-6)
+    assert float(z) == pytest.approx(float(ref_z), rel=1e-6)
+
+
+def _numpy_adamw(params, grads_per_step, lrs, recipe, decays):
+    """AdamW exactly as trainer_common.md writes it, with torch's clip formula, in float64."""
+    o = recipe.optim
+    b1, b2 = o.betas
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(x) for k, x in p.items()}
+    for t, (grads, lr) in enumerate(zip(grads_per_step, lrs), start=1):
+        norm = np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads.values()))
+        scale = min(1.0, o.grad_clip / (norm + 1e-6))
+        for k in p:
+            g = grads[k].astype(np.float64) * scale
+            m[k] = b1 * m[k] + (1 - b1) * g
+            v[k] = b2 * v[k] + (1 - b2) * g * g
+            step = m[k] / (1 - b1**t) / (np.sqrt(v[k] / (1 - b2**t)) + o.eps)
+            wd = o.weight_decay if decays[k] else 0.0
+            p[k] = p[k] - lr * (step + wd * p[k])
+    return p
+
+
+def _flat(tree):
+    return {"/".join(path): np.asarray(leaf) for path, leaf in sharding.tree_paths(tree)}
+
+
+def test_fused_step_with_accumulation_matches_numpy_adamw():
+    spec = get_preset("tiny").replace(n_layers=2)
+    recipe = load_recipe(None, ["--optim.grad_clip=0.05", "--optim.weight_decay=0.1", "--optim.lr=1e-2"])
+    graphdef, state = nnx.split(build_model(spec, seed=3))
+    params = nnx.to_pure_dict(state)
+    tx = make_optimizer(params, recipe)
+    mesh = sharding.make_mesh({"data": -1})
+    params_sh = sharding.param_shardings(params, spec, mesh)
+    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
+    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, spec.vocab_size, size=(4, 16)).astype(np.int32)
+    labels = np.roll(ids, -1, axis=1)
+    labels[:, -1] = -100
+    labels[2, :5] = -100  # uneven valid counts per micro-batch: a mean of means would differ
+    docs = np.zeros_like(ids)
+    docs[:, 9:] = 1
+
+    def reference_loss(p):
+        # One forward over the whole batch, mean over valid tokens: what accumulation must equal.
+        logits = nnx.merge(graphdef, p)(jnp.asarray(ids), jnp.asarray(docs))
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        valid = labels != -100
+        picked = jnp.sum(jax.nn.one_hot(np.where(valid, labels, 0), logits.shape[-1]) * logp, axis=-1)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        ce = -jnp.sum(picked * valid) / valid.sum()
+        return ce + spec.z_loss_weight * jnp.sum(lse**2 * valid) / valid.sum()
+
+    reference_grad = jax.jit(jax.value_and_grad(reference_loss))
+    start = _flat(params)
+    ref_params, grads_seen, lrs, losses = dict(params), [], [3e-3, 1e-2, 5e-3], []
+    opt_state = jax.jit(tx.init)(params)
+    cur = jax.tree.map(jnp.array, params)
+    for lr in lrs:
+        loss_ref, g = reference_grad(ref_params)
+        grads_seen.append(_flat(g))
+        losses.append(float(loss_ref))
+        # Accumulation 2: micro-batch a takes rows [a*2, a*2+2) here (one device).
+        batch = {
+            k: jnp.asarray(v.reshape(2, 2, 16)) for k, v in (("input_ids", ids), ("labels", labels), ("doc_ids", docs))
+        }
+        cur, opt_state, stats = fns.fused(cur, opt_state, batch, np.float32(lr))
+        assert float(stats["loss"]) == pytest.approx(losses[-1], rel=1e-5)
+        ref_params = _numpy_adamw(start, grads_seen, lrs[: len(grads_seen)], recipe, _decays(params, recipe))
+        ref_params = _unflat(ref_params, params)
+    got, want = _flat(cur), _flat(ref_params)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    assert float(opt_state[0].count) == 3
+
+
+def _decays(params, recipe):
+    return _flat(decay_mask(params, recipe))
+
+
+def _unflat(flat, like):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(flat["/".join(str(k.key) for k in path)], jnp.float32), like
+    )
+
+
+def test_decay_mask_follows_recipe():
+    spec = get_preset("tiny").replace(n_layers=2)
+    params = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: build_model(spec)))[1])
+    default = _flat(decay_mask(params, load_recipe(None, [])))
+    assert not default["embed"] and default["lm_head"] and default["layers/q_proj"] and default["final_norm"]
+    no_norms = _flat(decay_mask(params, load_recipe(None, ["--optim.decay_norms=false", "--optim.decay_embeddings=true"])))
+    assert no_norms["embed"] and not no_norms["final_norm"] and not no_norms["layers/q_norm"]
+    assert no_norms["layers/down_proj"]
+
+
+def test_partition_specs_by_hand():
+    spec = get_preset("tiny-gqa")  # d 64, 4 heads, 2 kv heads, mlp 192, vocab 4096, 4 layers
+    mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 2})
+
+    def ps(path, shape):
+        return sharding.param_partition_spec(path, shape, spec, mesh)
+
+    assert ps(("layers", "q_proj"), (4, 64, 64)) == P(None, "fsdp", "tensor")
+    assert ps(("layers", "k_proj"), (4, 64, 32)) == P(None, "fsdp", "tensor")
+    assert ps(("layers", "o_proj"), (4, 64, 64)) == P(None, "tensor", "fsdp")
+    assert ps(("layers", "gate_proj"), (4, 64, 192)) == P(None, "fsdp", "tensor")
+    assert ps(("layers", "down_proj"), (4, 192, 64)) == P(None, "tensor", "fsdp")
+    assert ps(("layers", "q_norm"), (4, 64)) == P(None, None)
+    assert ps(("embed",), (4096, 64)) == P("fsdp", None)
+    assert ps(("lm_head",), (64, 4096)) == P("fsdp", "tensor")
+    assert ps(("final_norm",), (64,)) == P(None)
+    # tensor=4 does not divide the 2 kv heads: k/v stay unsplit on that axis; fsdp 3 divides
+    # neither 64 nor 32, but divides 192 (the MLP hidden, not taken by tensor there).
+    odd = SimpleNamespace(shape={"data": 1, "fsdp": 3, "tensor": 4})
+    assert sharding.param_partition_spec(("layers", "v_proj"), (4, 64, 32), spec, odd) == P(None, None, None)
+    assert sharding.param_partition_spec(("layers", "q_proj"), (4, 64, 64), spec, odd) == P(None, None, "tensor")
+    assert sharding.param_partition_spec(("layers", "up_proj"), (4, 64, 192), spec, odd) == P(None, None, "tensor")
+    assert sharding.param_partition_spec(("embed",), (4096, 64), spec, SimpleNamespace(
+        shape={"data": 1, "fsdp": 3, "tensor": 1})) == P(None, None)
+
+
+def test_micro_batches_keep_each_device_rows_local():
+    rows = np.arange(8)[:, None] * np.ones((1, 3), int)  # row i holds i
+    micro = sharding.to_micro_batches(rows, local_dp=2, accumulation=2)
+    # Device 0 owns rows 0-3, device 1 rows 4-7; each micro-step takes 2 rows from each.
+    assert micro.shape == (2, 4, 3)
+    assert micro[:, :, 0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+
+
+def test_mesh_errors_are_one_line():
+    n = jax.device_count()
+    with pytest.raises(RecipeError, match="needs"):
+        sharding.make_mesh({"data": n + 1, "fsdp": 1, "tensor": 1})
+    with pytest.raises(RecipeError, match="expert"):
+        sharding.make_mesh({"data": -1, "expert": 2})
+    mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    assert dict(mesh.shape) == {"data": 1, "fsdp": n, "tensor": 1}
