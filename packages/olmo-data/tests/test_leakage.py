@@ -64,7 +64,8 @@ def test_planted_documents_are_refused_and_named(tmp_path):
     with pytest.raises(LeakageError) as e:
         assert_no_leakage(m)
     msg = str(e.value)
-    assert "held_out 'wiki'" in msg and "doc 5 (exact copy in 'code' doc 17" in msg and "doc 22 (exact copy in 'prose' doc 3" in msg
+    assert "held_out 'wiki'" in msg
+    assert "doc 5 (exact copy in 'code' doc 17" in msg and "doc 22 (exact copy in 'prose' doc 3" in msg
 
 
 def test_a_single_13_token_span_is_found(tmp_path):

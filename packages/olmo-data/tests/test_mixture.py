@@ -95,7 +95,7 @@ def test_all_zero_ratios(tmp_path):
 
 
 def test_ratio_and_tokens_not_mixed(tmp_path):
-    path = edit(two_source_mixture(tmp_path), lambda c: (c["sources"][0].pop("ratio"), c["sources"][0].update(tokens=99)))
+    path = edit(two_source_mixture(tmp_path), lambda c: c["sources"][0].update(ratio=None, tokens=99))
     with pytest.raises(DataError) as e:
         load_mixture(path)
     one_line_error(e, "every source a ratio, or every source a tokens target")

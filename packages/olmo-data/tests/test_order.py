@@ -179,7 +179,8 @@ def test_repetition_cap_stops_with_a_clear_error():
     bad_step = first_bad // 10
     for step in range(bad_step):
         order.global_batch(step, 10)
-    with pytest.raises(RepetitionLimitError, match=r"source 's0' \(src0\) beyond max_repetition: 200 instances = 2 epochs"):
+    expected = r"source 's0' \(src0\) beyond max_repetition: 200 instances = 2 epochs"
+    with pytest.raises(RepetitionLimitError, match=expected):
         order.global_batch(bad_step, 10)
 
 

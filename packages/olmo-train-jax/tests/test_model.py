@@ -61,8 +61,8 @@ def _hf_logits(spec: ModelSpec, tensors: dict[str, np.ndarray], ids: np.ndarray,
 def _assert_matches(ours: np.ndarray, ref: np.ndarray) -> None:
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= 1e-4
-    log_p = torch.log_softmax(torch.from_numpy(ref).double(), -1)
-    log_q = torch.log_softmax(torch.from_numpy(ours).double(), -1)
+    log_p = torch.log_softmax(torch.from_numpy(np.array(ref, np.float64)), -1)
+    log_q = torch.log_softmax(torch.from_numpy(np.array(ours, np.float64)), -1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
     assert kl <= 1e-9
     assert (ours.argmax(-1) == ref.argmax(-1)).all()

@@ -6,8 +6,8 @@ hands out one tensor at a time, so a conversion between streamable formats holds
 one tensor in memory:
 
 - ``hf:DIR``: config.json + model.safetensors, or model-0000i-of-0000n.safetensors with
-  model.safetensors.index.json; read with safetensors' lazy ``safe_open``, written by a
-  streaming writer (the header is known from the spec before any tensor is read).
+  model.safetensors.index.json; read tensor by tensor with positional reads, written by
+  a streaming writer (the header is known from the spec before any tensor is read).
 - ``olmo-core:PATH``: an OLMo-core olmo3 model state dict, either a torch ``.pt`` file
   (read with ``torch.load(mmap=True)``) or a torch.distributed.checkpoint directory whose
   model keys sit under ``model.`` (as OLMo-core's ``save_model_and_optim_state`` writes
@@ -208,11 +208,11 @@ def checked_tensor(ckpt: Checkpoint, name: str, t: torch.Tensor) -> torch.Tensor
 
 # ---- HF safetensors --------------------------------------------------------------------
 class HFCheckpoint(Checkpoint):
-    """config.json + model.safetensors (single or sharded), read lazily."""
+    """config.json + model.safetensors (single or sharded). Tensors are read with plain
+    positional reads into fresh buffers rather than through a memory map, so the pages of
+    tensors already converted do not count against this process's resident memory."""
 
     def __init__(self, path: Path, spec: str | ModelSpec | None = None):
-        from safetensors import safe_open
-
         self.origin = f"hf:{path}"
         cfg_path = path / CONFIG_FILE
         if not cfg_path.is_file():
@@ -229,27 +229,57 @@ class HFCheckpoint(Checkpoint):
             files = [SINGLE_FILE]
         else:
             raise CheckpointError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}; write the weights as safetensors")
-        self._handles = {}
-        self._file_of: dict[str, str] = {}
+        self._files = {}
+        self._where: dict[str, tuple[str, int, int]] = {}  # name -> (file, first byte, end byte)
         self.stored = {}
         for file in files:
             if not (path / file).is_file():
                 raise CheckpointError(f"{path / file}: shard listed in {INDEX_FILE} is missing")
-            handle = safe_open(str(path / file), framework="pt")
-            self._handles[file] = handle
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                st_dtype = piece.get_dtype()
-                if st_dtype not in _DTYPE_FROM_SAFETENSORS:
-                    raise CheckpointError(f"{path / file}: tensor '{name}' has dtype {st_dtype}; expected F32, BF16 or F16")
-                self.stored[name] = (tuple(piece.get_shape()), _DTYPE_FROM_SAFETENSORS[st_dtype])
-                self._file_of[name] = file
+            f = open(path / file, "rb")  # noqa: SIM115 - kept open until close()
+            self._files[file] = f
+            for name, (shape, dtype, begin, end) in _read_safetensors_header(path / file, f).items():
+                self.stored[name] = (shape, dtype)
+                self._where[name] = (file, begin, end)
 
     def tensor(self, name: str) -> torch.Tensor:
-        return checked_tensor(self, name, self._handles[self._file_of[name]].get_tensor(name))
+        file, begin, end = self._where[name]
+        shape, dtype = self.stored[name]
+        out = torch.empty(shape, dtype=dtype)
+        f = self._files[file]
+        f.seek(begin)
+        if f.readinto(_tensor_bytes(out)) != end - begin:
+            raise CheckpointError(f"{self.origin}/{file}: tensor '{name}' is cut short; the file is truncated")
+        return out
 
     def close(self) -> None:
-        self._handles.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _read_safetensors_header(path: Path, f) -> dict[str, tuple[tuple[int, ...], torch.dtype, int, int]]:
+    """name -> (shape, dtype, absolute first byte, absolute end byte) from a safetensors file:
+    an 8-byte little-endian header length, a JSON header, then the tensors' bytes."""
+    size = path.stat().st_size
+    raw = f.read(8)
+    n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else size
+    if n > size - 8:
+        raise CheckpointError(f"{path}: not a safetensors file (header length {n} exceeds the file)")
+    try:
+        header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: safetensors header is not valid JSON ({err})") from None
+    header.pop("__metadata__", None)
+    out = {}
+    for name, entry in header.items():
+        if entry["dtype"] not in _DTYPE_FROM_SAFETENSORS:
+            raise CheckpointError(f"{path}: tensor '{name}' has dtype {entry['dtype']}; expected F32, BF16 or F16")
+        shape, dtype = tuple(entry["shape"]), _DTYPE_FROM_SAFETENSORS[entry["dtype"]]
+        begin, end = (8 + n + o for o in entry["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize or end > size:
+            raise CheckpointError(f"{path}: tensor '{name}' has a byte range that does not fit its shape or the file")
+        out[name] = (shape, dtype, begin, end)
+    return out
 
 
 def _fsync_write(path: Path, chunks: Iterator[memoryview | bytes]) -> None:

@@ -77,8 +77,13 @@ def describe(mixture: Mixture) -> dict[str, Any]:
             }
         )
     held = [
-        {"name": name, "tokens": src.num_tokens, "docs": src.num_docs, "instances": src.num_tokens // mixture.sequence_length,
-         "eval_sequences": mixture.config.eval.sequences_per_source}
+        {
+            "name": name,
+            "tokens": src.num_tokens,
+            "docs": src.num_docs,
+            "instances": src.num_tokens // mixture.sequence_length,
+            "eval_sequences": mixture.config.eval.sequences_per_source,
+        }
         for name, src in mixture.held_out_sources.items()
     ]
     return {
@@ -147,7 +152,8 @@ def _check_leakage(args: argparse.Namespace, console: Console) -> int:
         print(json.dumps(report.to_json(), indent=1))
         return status
     table = Table("held-out source", "docs", "exact copies", "docs with n-gram hits", "contaminated", "fraction",
-                  title=f"leakage ({report.ngram}-grams, {report.training_tokens:,} training tokens, {report.seconds:.2f} s)")
+                  title=f"leakage ({report.ngram}-grams, {report.training_tokens:,} training tokens, "
+                        f"{report.seconds:.2f} s)")
     for h in report.held_out:
         table.add_row(h.source, str(h.docs_checked), str(len(h.exact_matches)), str(len(h.ngram_hits)),
                       str(len(h.contaminated_docs)), f"{h.fraction:.2%}")

@@ -108,7 +108,8 @@ class MixtureLoader:
                         state["step"])
         if state["tokens_consumed"] != state["step"] * self.tokens_per_global_batch:
             raise DataError(
-                f"{where}: the checkpoint consumed {state['tokens_consumed']} tokens in {state['step']} steps, which is "
+                f"{where}: the checkpoint consumed {state['tokens_consumed']} tokens in {state['step']} steps, "
+                "which is "
                 f"not {self.global_batch_size} x {self.mixture.sequence_length} tokens per step: the global batch "
                 "size or sequence_length changed; resume with the original global batch size"
             )
@@ -138,6 +139,7 @@ def eval_instances(mixture: Mixture, source_name: str) -> tuple[Any, np.ndarray]
     source = mixture.held_out_sources[source_name]
     seq = mixture.sequence_length
     count = mixture.config.eval.sequences_per_source
-    key = derive_key(json.dumps(mixture.source_identity(source), sort_keys=True), mixture.seed, seq, "eval", source_name)
+    identity = json.dumps(mixture.source_identity(source), sort_keys=True)
+    key = derive_key(identity, mixture.seed, seq, "eval", source_name)
     within = feistel_permute(np.arange(count), source.num_tokens // seq, round_keys(key, np.zeros(1)))
     return source, within

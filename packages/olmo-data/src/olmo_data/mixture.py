@@ -144,7 +144,9 @@ class Mixture:
 
     def _check(self) -> None:
         seq = self.config.sequence_length
-        trained = {os.path.realpath(f): s.name for s, files in zip(self.config.sources, self.training_files) for f in files}
+        trained = {
+            os.path.realpath(f): s.name for s, files in zip(self.config.sources, self.training_files) for f in files
+        }
         for h, files in zip(self.config.held_out, self.held_out_files):
             for f in files:
                 if os.path.realpath(f) in trained:

@@ -264,7 +264,7 @@ def _write_shards(directory: Path, name: str, docs: list[np.ndarray], parts: int
 
 
 def build_sample(target: Path) -> dict:
-    """Build the sample into `target` (which must not exist); returns the build record."""
+    """Build the sample into the empty directory `target`; returns the build record."""
     t0 = time.perf_counter()
     sources = _dedup(collect_documents())
     split = {name: _split_held_out(docs) for name, docs in sources.items()}
@@ -278,7 +278,6 @@ def build_sample(target: Path) -> dict:
     # included, so hash the same stream here.
     train_hashes = unique_sorted(np.concatenate([ngram_hashes(np.concatenate(t), NGRAM) for t in train_tokens.values()]))
     record: dict = {"version": SAMPLE_VERSION, "python_version": python_version(), "recipe": recipe_hash(), "sources": {}}
-    tmp = target
     for name, (train, held) in split.items():
         held_tokens = encode(held)
         clean = [f for t in held_tokens for f in _clean_fragments(t, train_hashes)]
@@ -288,8 +287,8 @@ def build_sample(target: Path) -> dict:
                 f"sample: held-out {name} keeps {held_total} tokens after decontamination, fewer than "
                 f"{EVAL_SEQUENCES}x{SEQUENCE_LENGTH}; raise HELD_OUT_MIN_CHARS in olmo_data/sample.py"
             )
-        _write_shards(tmp / name, name, train_tokens[name], TRAIN_SHARDS)
-        _write_shards(tmp / "heldout" / name, name, clean, 1)
+        _write_shards(target / name, name, train_tokens[name], TRAIN_SHARDS)
+        _write_shards(target / "heldout" / name, name, clean, 1)
         record["sources"][name] = {
             "train_docs": len(train),
             "train_tokens": int(sum(t.size for t in train_tokens[name])),
@@ -298,12 +297,12 @@ def build_sample(target: Path) -> dict:
             "held_out_source_docs": len(held_tokens),
             "held_out_tokens_dropped_by_decontamination": int(sum(t.size for t in held_tokens) - held_total),
         }
-    tokenizer.save(str(tmp / "tokenizer.json"))
-    fingerprint = content_fingerprint(tmp)
-    (tmp / "mixture.yaml").write_text(_mixture_yaml(fingerprint))
+    tokenizer.save(str(target / "tokenizer.json"))
+    fingerprint = content_fingerprint(target)
+    (target / "mixture.yaml").write_text(_mixture_yaml(fingerprint))
     record["content_fingerprint"] = fingerprint
     record["build_seconds"] = round(time.perf_counter() - t0, 2)
-    (tmp / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True))
+    (target / "build.json").write_text(json.dumps(record, indent=2, sort_keys=True))
     return record
 
 

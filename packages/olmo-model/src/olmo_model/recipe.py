@@ -67,6 +67,9 @@ class TrainSection(_Section):
     tokens: int | None = Field(None, gt=0)  # token budget; steps = ceil(tokens / global_batch_tokens)
     seed: int = 0  # model init and any trainer RNG; the data order has its own seed in the mixture
     precision: Literal["bf16", "fp32"] = "bf16"  # bf16: bf16 compute, fp32 master weights and reductions
+    # Mask attention across document boundaries inside an instance. Off by default: the Olmo 3
+    # recipe trains on plain causal windows, and a mask forgoes the fused flash path on GPU.
+    document_masking: bool = False
 
     @model_validator(mode="after")
     def _budget(self):

@@ -27,6 +27,7 @@ import os
 import shutil
 import signal
 import sys
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ from torch.distributed.checkpoint.state_dict import (
 from .parallelize import Distributed
 
 KILL_ENV = "OLMO_TEST_KILL_AFTER_CHECKPOINT"
+
+# A single process without a process group is a supported DCP mode, which torch announces
+# on every save and load; the message says nothing new here.
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable", category=UserWarning)
 
 
 def rng_state() -> dict[str, Any]:

@@ -170,7 +170,8 @@ class OlmoModel(nn.Module):
         self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
         self.norm = RMSNorm(spec.d_model, spec.norm_eps)
         self.lm_head = nn.Linear(spec.d_model, spec.padded_vocab_size, bias=False)
-        # Derived tensors, keyed by (kind, seq, window/None, device); never parameters or buffers.
+        # Derived from the spec, never parameters or buffers: RoPE tables keyed by
+        # (yarn?, seq, device), band masks by (seq, window, device).
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mask_cache: dict[tuple, torch.Tensor] = {}
 

@@ -1,0 +1,82 @@
+"""Shared fixtures: a tiny mixture of numpy token files and helpers that run the real
+trainer entry point (one process, or torchrun with gloo) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SEQ = 64
+GLOBAL_BATCH = 16  # sequences; divides over 1, 2 and 4 ranks
+BASE_ARGS = [
+    "--model=tiny",
+    f"--train.global_batch_tokens={SEQ * GLOBAL_BATCH}",
+    "--train.precision=fp32",
+    "--log.progress=false",
+    "--data.prefetch=1",
+]
+
+
+def _write_docs(path: Path, rng: np.random.Generator, n_tokens: int, vocab: int) -> None:
+    """EOS(0)-terminated documents of 20-200 tokens, ids from a skewed distribution so a
+    model has something to learn."""
+    out, total = [], 0
+    while total < n_tokens:
+        n = int(rng.integers(20, 200))
+        doc = np.minimum(rng.zipf(1.3, size=n) + 1, vocab - 1).astype(np.uint16)
+        out += [doc, np.zeros(1, np.uint16)]
+        total += n + 1
+    np.concatenate(out)[:n_tokens].tofile(path)
+
+
+def make_mixture(root: Path, seed: int = 7, order_seed: int = 1234) -> Path:
+    """Two training sources and one held-out source, vocab 4096, sequence length SEQ."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for name, n in (("a", 48_000), ("b", 32_000), ("held", 4_096)):
+        _write_docs(root / f"{name}.bin", rng, n, 4096)
+    (root / "mixture.yaml").write_text(
+        f"""name: tiny-test
+sequence_length: {SEQ}
+seed: {order_seed}
+eos_token_id: 0
+vocab_size: 4096
+sources:
+  - {{name: a, paths: [a.bin], format: numpy, dtype: uint16, ratio: 0.6}}
+  - {{name: b, paths: [b.bin], format: numpy, dtype: uint16, ratio: 0.4}}
+held_out:
+  - {{name: held, paths: [held.bin], format: numpy, dtype: uint16}}
+eval:
+  sequences_per_source: 8
+"""
+    )
+    return root / "mixture.yaml"
+
+
+@pytest.fixture(scope="session")
+def mixture(tmp_path_factory) -> Path:
+    return make_mixture(tmp_path_factory.mktemp("mixture"))
+
+
+def run_trainer(args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 300):
+    """Run olmo-train-torch; nproc > 1 goes through torchrun (gloo, CPU)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "olmo_train_torch", *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", "0", "-m", "olmo_train_torch", *args,
+        ]
+    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_lines(run_dir: Path) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r for r in lines if r["kind"] == "train"]
