@@ -44,7 +44,7 @@ def main() -> None:
 
     spec = load_spec(args.spec)
     dtype = getattr(torch, args.dtype)
-    console = Console()
+    console = Console(width=120)
     console.print(
         f"spec {spec.name}: d_model {spec.d_model}, {spec.n_layers} layers, window {spec.sliding_window}, "
         f"vocab {spec.padded_vocab_size}; batch {args.batch} x seq {args.seq_len}, {args.dtype}; "

@@ -36,8 +36,9 @@ def take(loader, n):
     raise AssertionError("loader ended early")
 
 
-def test_iteration_with_prefetch_equals_batch_at(mixture):
-    loader = MixtureLoader(mixture, B, dp_rank=1, dp_size=2, start_step=5, prefetch=3)
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_iteration_equals_batch_at(mixture, prefetch):
+    loader = MixtureLoader(mixture, B, dp_rank=1, dp_size=2, start_step=5, prefetch=prefetch)
     batches = take(loader, 20)
     assert loader.step == 25
     order = mixture.order
@@ -150,7 +151,7 @@ def test_repetition_limit_stops_within_one_block_of_the_budget(tmp_path):
     assert mixture.num_instances() == [1573, 3147] and mixture.order.num_blocks == 4
     loader = MixtureLoader(mixture, B, prefetch=2)
     consumed = 0
-    with pytest.raises(DataError, match="would read source 'code' .* beyond max_repetition: 1573 instances = 1 epochs"):
+    with pytest.raises(DataError, match="global batch [0-9]+: global instance [0-9]+ would read source 'code' .* beyond max_repetition: 1573 instances = 1 epochs"):
         for _ in loader:
             consumed += 1
     assert 1180 // B <= consumed <= 1748 // B

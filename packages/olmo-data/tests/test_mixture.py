@@ -13,7 +13,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))
 from test_mixture_support import random_docs, two_source_mixture, write_mixture, write_raw, write_shard  # noqa: E402
 
-from olmo_data import DataError, ShardCorruptError, load_mixture  # noqa: E402
+from olmo_data import DataError, MixtureLoader, ShardCorruptError, load_mixture  # noqa: E402
 
 
 def edit(path: Path, fn) -> Path:
@@ -121,10 +121,11 @@ def test_corrupt_zstd_chunk_is_named_when_read(tmp_path):
     data = bytearray(shard.read_bytes())
     data[200] ^= 0xFF  # inside chunk 0 (the 8-byte magic, then the first zstd frame)
     shard.write_bytes(bytes(data))
-    m = load_mixture(path)
+    loader = MixtureLoader(load_mixture(path), 8)  # the manifest is intact: loading works
     with pytest.raises(ShardCorruptError) as e:
-        m.training_sources[1].read(0, 10)
-    one_line_error(e, "p0.shard", "chunk 0")
+        for step in range(200):  # ~1600 instances: every window of the 1179-slot epoch
+            loader.batch_at(step)
+    one_line_error(e, "p0.shard", "chunk 0", "re-create")
 
 
 def test_fingerprint_identity(tmp_path):
@@ -155,3 +156,9 @@ def test_tokens_targets(tmp_path):
     ]
     m = load_mixture(write_mixture(tmp_path, sources))
     assert m.slots_per_epoch() == [100, 30]  # tokens / sequence_length 16
+
+
+def test_the_word_sample_names_the_embedded_sample(tmp_path, monkeypatch):
+    path = two_source_mixture(tmp_path)
+    monkeypatch.setattr("olmo_data.sample.sample_mixture_path", lambda: path)
+    assert load_mixture("sample").path == path.resolve()

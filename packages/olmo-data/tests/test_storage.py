@@ -105,7 +105,7 @@ def test_corrupt_chunk_names_file_and_chunk(tmp_path):
     chunk2 = read_manifest(path)["chunks"][2]
     _corrupt_byte(path, chunk2["offset"] + chunk2["compressed_size"] // 2)
     src = ShardSource(path)
-    np.testing.assert_array_equal(src.read(0, 200).size, 200)  # chunks 0 and 1 still read
+    assert src.read(0, 200).size == 200  # chunks 0 and 1 still read
     with pytest.raises(ShardCorruptError, match=r"c\.shard: chunk 2 "):
         src.read(250, 260)
     with pytest.raises(ShardCorruptError, match="chunk 2"):

@@ -3,11 +3,13 @@ processes, resume skips finished shards, --shard-index/--num-shards jobs partiti
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
 import numpy as np
 import pytest
+import zstandard
 from tokenizers import Tokenizer
 
 from olmo_data.errors import DataError
@@ -57,24 +59,25 @@ def test_tokenize_jsonl_two_processes_and_resume(corpus):
     shards = sorted((root / "out").glob("*.shard"))
     # 6, 11, 9 docs in parts of 4 -> 2 + 3 + 3 shards, named after their input file.
     assert [p.name for p in shards] == [
-        "a-00000.shard", "a-00001.shard", "b-00000.shard", "b-00001.shard", "b-00002.shard",
-        "c-00000.shard", "c-00001.shard", "c-00002.shard",
+        "a.jsonl-00000.shard", "a.jsonl-00001.shard",
+        "b.jsonl-00000.shard", "b.jsonl-00001.shard", "b.jsonl-00002.shard",
+        "c.jsonl-00000.shard", "c.jsonl-00001.shard", "c.jsonl-00002.shard",
     ]
     docs = _shard_docs(shards)
     for p in shards:
-        stem, part = p.stem.split("-")
-        texts = files[f"{stem}.jsonl"][int(part) * 4 : int(part) * 4 + 4]
+        unit, part = p.stem.split("-")
+        texts = files[unit][int(part) * 4 : int(part) * 4 + 4]
         expected = [tok.encode(t).ids + [0] for t in texts]  # eos = <|endoftext|> = 0
         assert docs[p.name] == expected
         assert read_manifest(p)["dtype"] == "uint16"
 
     mtimes = {p.name: p.stat().st_mtime_ns for p in shards}
-    (root / "out" / "b-00001.shard").unlink()
+    (root / "out" / "b.jsonl-00001.shard").unlink()
     assert tokenize_main(args) == 0
     again = sorted((root / "out").glob("*.shard"))
     assert [p.name for p in again] == [p.name for p in shards]
     for p in again:
-        if p.name == "b-00001.shard":
+        if p.name == "b.jsonl-00001.shard":
             assert _shard_docs([p])[p.name] == docs[p.name]
         else:
             assert p.stat().st_mtime_ns == mtimes[p.name], f"{p.name} was rewritten on resume"
@@ -95,9 +98,14 @@ def test_jobs_partition_the_documents(corpus):
     assert not {tuple(d) for d in jobs[0]} & {tuple(d) for d in jobs[1]}
 
 
-def test_txt_inputs(tmp_path, corpus):
+def test_txt_and_compressed_inputs(tmp_path, corpus):
     root, files = corpus
     texts = files["a.jsonl"]
+    jsonl = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "a.jsonl.gz").write_bytes(gzip.compress(jsonl))
+    (tmp_path / "zst").mkdir()
+    (tmp_path / "zst" / "a.json.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl))
     (tmp_path / "txt").mkdir()
     for i, t in enumerate(texts):
         (tmp_path / "txt" / f"{i:02d}.txt").write_text(t)
@@ -105,7 +113,7 @@ def test_txt_inputs(tmp_path, corpus):
     (tmp_path / "lines" / "all.txt").write_text("\n".join(texts) + "\n")
     tok = Tokenizer.from_file(str(root / "tokenizer.json"))
     expected = [tok.encode(t).ids + [0] for t in texts]
-    for src, extra in [("txt", []), ("lines", ["--txt-per-line"])]:
+    for src, extra in [("txt", []), ("lines", ["--txt-per-line"]), ("gz", []), ("zst", [])]:
         out = tmp_path / f"out-{src}"
         tokenize_main(["--input", str(tmp_path / src), "--tokenizer", str(root / "tokenizer.json"),
                        "--output", str(out), *extra])
@@ -116,8 +124,9 @@ def test_txt_inputs(tmp_path, corpus):
 def test_bad_inputs(tmp_path, corpus, monkeypatch):
     root, _ = corpus
     tok = str(root / "tokenizer.json")
-    with pytest.raises(DataError, match="nothing-here/x.jsonl: no such file"):
-        tokenize_main(["--input", str(tmp_path / "nothing-here/x.jsonl"), "--tokenizer", tok, "--output", str(tmp_path / "o")])
+    for missing in [str(tmp_path / "nothing-here/x.jsonl"), "x.jsonl"]:
+        with pytest.raises(DataError, match=f"--input {missing}: no such file"):
+            tokenize_main(["--input", missing, "--tokenizer", tok, "--output", str(tmp_path / "o")])
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:1: no field 'text'; pass --text-field"):
         tokenize_main(["--input", str(tmp_path / "bad.jsonl"), "--tokenizer", tok, "--output", str(tmp_path / "o")])

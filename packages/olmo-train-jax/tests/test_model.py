@@ -1,5 +1,6 @@
 """The JAX Olmo 3 model against transformers' Olmo3ForCausalLM, the float64 numpy reference
-(olmo_model.reference) and identities derived by hand (windowing, document masking, init statistics, bf16 error bound, adapter errors).
+(olmo_model.reference) and identities derived by hand (windowing, document masking, init
+statistics, bf16 error bound, remat, adapter errors).
 
 Run: cd /work/main && uv run --frozen pytest packages/olmo-train-jax/tests/test_model.py -p no:xdist -q
 """
@@ -20,6 +21,9 @@ from olmo_model import FULL, SLIDING, ModelSpec, get_preset, hf_config, hf_param
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 from olmo_train_jax import CheckpointMismatchError, OlmoModel, build_model, load_hf, model_from_hf, to_hf
+from olmo_train_jax.model import REMAT_POLICIES
+
+jax.config.update("jax_enable_x64", False)  # float32 throughout, like the trainers
 
 SEQ = 128  # > every tiny window (16, 32) and > tiny-yarn's original context (64)
 _forward = nnx.jit(lambda model, ids: model(ids))
@@ -45,7 +49,8 @@ def _built(name: str) -> tuple[ModelSpec, OlmoModel, np.ndarray, np.ndarray]:
     return spec, model, ids, np.array(_forward(model, jnp.asarray(ids)))
 
 
-def _hf_logits(spec: ModelSpec, tensors: dict[str, np.ndarray], ids: np.ndarray, no_qk_norm=False) -> np.ndarray:
+def _hf_logits(spec: ModelSpec, tensors: dict[str, np.ndarray], ids: np.ndarray, no_qk_norm=False):
+    """Logits of transformers' Olmo3ForCausalLM (eager attention, float32) with these weights."""
     config = Olmo3Config(**hf_config(spec))
     config._attn_implementation = "eager"
     hf = Olmo3ForCausalLM(config).eval()
@@ -68,11 +73,19 @@ def _assert_matches(ours: np.ndarray, ref: np.ndarray) -> None:
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
+def _perturb_norms(tensors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """Norm weights away from their init of one, so that their mapping is tested too."""
+    rng = np.random.default_rng(seed)
+    return {k: rng.uniform(0.5, 1.5, v.shape).astype(np.float32) if v.ndim == 1 else v for k, v in tensors.items()}
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa", "tiny-yarn", "tiny-pattern"])
 def test_logits_match_transformers(name):
-    spec, model, ids, ours = _built(name)
+    spec, model, ids, _ = _built(name)
+    tensors = _perturb_norms(to_hf(model, spec), seed=1)
+    ours = np.asarray(_forward(model_from_hf(spec, tensors), jnp.asarray(ids)))
     assert ours.shape == (2, SEQ, spec.padded_vocab_size)
-    _assert_matches(ours, _hf_logits(spec, to_hf(model, spec), ids))
+    _assert_matches(ours, _hf_logits(spec, tensors, ids))
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-gqa", "tiny-yarn", "tiny-per-head"])
@@ -81,11 +94,7 @@ def test_logits_match_numpy_reference(name):
         spec = get_preset("tiny-gqa").replace(qk_norm="per_head", name=name)
     else:
         spec = get_preset(name)
-    params = reference.init_params(spec, seed=11)
-    rng = np.random.default_rng(11)
-    for key, value in params.items():  # norm weights away from one, so their mapping is tested
-        if value.ndim == 1:
-            params[key] = rng.uniform(0.5, 1.5, value.shape).astype(np.float32)
+    params = _perturb_norms(reference.init_params(spec, seed=11), seed=11)
     ids = _ids(spec, seed=11)
     ours = np.asarray(_forward(model_from_hf(spec, params), jnp.asarray(ids)))
     ref = reference.forward(spec, params, ids)
@@ -195,35 +204,48 @@ def test_qk_norm_per_head_equals_full_with_one_head():
     full = get_preset("tiny").replace(n_heads=1, qk_norm="full")
     per_head = full.replace(qk_norm="per_head")
     model = build_model(full, seed=4)
-    rng = np.random.default_rng(4)
-    tensors = to_hf(model, full)
-    for name in tensors:  # non-trivial norm weights, so the weights are mapped, not just ones
-        if "q_norm" in name or "k_norm" in name:
-            tensors[name] = rng.uniform(0.5, 1.5, tensors[name].shape).astype(np.float32)
+    tensors = _perturb_norms(to_hf(model, full), seed=4)
     ids = jnp.asarray(_ids(full, seq=64))
     a = np.asarray(_forward(model_from_hf(full, tensors), ids))
     b = np.asarray(_forward(model_from_hf(per_head, tensors), ids))
     assert np.abs(a - b).max() <= 1e-6
 
 
-def test_remat_policies_leave_gradients_unchanged():
+def test_remat_policies_change_what_is_saved_not_the_gradients():
     spec = get_preset("tiny").replace(n_layers=2)
     tensors = to_hf(build_model(spec, seed=5), spec)
     ids = jnp.asarray(_ids(spec, seq=48))
+    seq = ids.shape[1] - 1
 
     def loss(model):
         logits = model(ids[:, :-1])
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1).mean()
 
-    grads = {}
-    for remat in ("none", "block", "save_dots"):
-        g = nnx.jit(nnx.grad(loss))(model_from_hf(spec, tensors, remat=remat))
-        grads[remat] = jax.tree.leaves(g)
+    # What the backward pass keeps, by shape only (traced, not run): the leaves of the vjp.
+    saved = {}
+    for remat in REMAT_POLICIES:
+        graph, state = nnx.split(model_from_hf(spec, tensors, remat=remat))
+        vjp = jax.eval_shape(lambda s, g=graph: jax.vjp(lambda s_: loss(nnx.merge(g, s_)), s)[1], state)
+        saved[remat] = jax.tree.leaves(vjp)
+    size = {remat: sum(math.prod(leaf.shape) for leaf in leaves) for remat, leaves in saved.items()}
+    assert size["none"] > size["save_dots"] > size["block"]
+    # Attention probabilities are float [.., S, S]; the boolean mask of the same shape is an
+    # input of every layer, so it is kept under any policy.
+    keeps_scores = {
+        remat: any(leaf.shape[-2:] == (seq, seq) and jnp.issubdtype(leaf.dtype, jnp.floating)
+                   for leaf in leaves)
+        for remat, leaves in saved.items()
+    }
+    assert keeps_scores == {"none": True, "block": False, "save_dots": False}
+
+    grads = {
+        remat: jax.tree.leaves(nnx.jit(nnx.grad(loss))(model_from_hf(spec, tensors, remat=remat)))
+        for remat in ("none", "save_dots")
+    }
     # Recomputation may fuse differently, so equal up to float32 rounding of the sums.
-    for remat in ("block", "save_dots"):
-        for a, b in zip(grads["none"], grads[remat], strict=True):
-            a, b = np.asarray(a), np.asarray(b)
-            assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+    for a, b in zip(grads["none"], grads["save_dots"], strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
     with pytest.raises(ValueError, match="remat='full'"):
         build_model(spec, remat="full")
 

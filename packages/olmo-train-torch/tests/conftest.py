@@ -72,7 +72,7 @@ def run_trainer(args: list[str], nproc: int = 1, env: dict[str, str] | None = No
     else:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", "0", "-m", "olmo_train_torch", *args,
+            "--standalone", "-m", "olmo_train_torch", *args,
         ]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

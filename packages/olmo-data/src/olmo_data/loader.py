@@ -87,7 +87,8 @@ class MixtureLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any], allow_fingerprint_mismatch: bool = False) -> None:
-        """Continue at global batch state["step"] (any dp size; same global batch size)."""
+        """Continue at global batch state["step"] (any dp size; same global batch size).
+        Call it before iterating: a running iterator keeps the position it started from."""
         missing = {"fingerprint", "seed", "step", "tokens_consumed"} - set(state)
         if missing:
             raise DataError(f"loader state lacks {sorted(missing)}; pass the dict MixtureLoader.state_dict() returned")

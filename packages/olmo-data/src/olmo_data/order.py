@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+
 import numpy as np
 
 from olmo_data.errors import DataError
@@ -127,27 +128,35 @@ def read_instances(source: TokenSource, within: np.ndarray, sequence_length: int
     IGNORE_INDEX when the window ends the source.
     """
     seq = sequence_length
-    out = {k: np.empty((len(within), seq), np.int32) for k in BATCH_KEYS}
-    arange = np.arange(seq, dtype=np.int64)
-    starts = source.doc_starts()
     within = np.asarray(within, dtype=np.int64)
+    n = len(within)
+    first = within * seq
+    # tokens[row] = the window plus the token after it (IGNORE_INDEX at the end of the source)
+    tokens = np.full((n, seq + 1), IGNORE_INDEX, np.int32)  # the outputs are int32 anyway
     # Read in window order: compressed shards decompress whole chunks, and a batch's
     # windows that share a chunk then hit the chunk cache one after another.
     for row in np.argsort(within, kind="stable").tolist():
-        start = int(within[row]) * seq
-        has_next = start + seq < source.num_tokens
-        tokens = source.read(start, start + seq + int(has_next))
-        out["input_ids"][row] = tokens[:seq]
-        out["labels"][row, : seq - 1] = tokens[1:seq]
-        out["labels"][row, seq - 1] = tokens[seq] if has_next else IGNORE_INDEX
-        lo, hi = np.searchsorted(starts, [start + 1, start + seq], side="left")
-        inner = starts[lo:hi] - start  # document starts strictly inside the window
-        doc = np.zeros(seq, np.int64)
-        doc[inner] = 1
-        doc = np.cumsum(doc)
-        out["doc_ids"][row] = doc
-        out["positions"][row] = arange - np.concatenate([[0], inner])[doc]
-    return out
+        start = int(first[row])
+        stop = min(start + seq + 1, source.num_tokens)
+        tokens[row, : stop - start] = source.read(start, stop)
+    # document starts strictly inside each window, as (row, column) pairs
+    doc_starts = source.doc_starts()
+    lo = np.searchsorted(doc_starts, first + 1, side="left")
+    hi = np.searchsorted(doc_starts, first + seq, side="left")
+    counts = hi - lo
+    rows = np.repeat(np.arange(n), counts)
+    ranks = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    cols = doc_starts[np.repeat(lo, counts) + ranks] - first[rows]
+    marks = np.zeros((n, seq), np.int32)
+    marks[rows, cols] = 1
+    segment_start = np.zeros((n, seq), np.int32)
+    segment_start[rows, cols] = cols
+    return {
+        "input_ids": np.ascontiguousarray(tokens[:, :seq]),
+        "labels": np.ascontiguousarray(tokens[:, 1:]),
+        "doc_ids": np.cumsum(marks, axis=1, dtype=np.int32),
+        "positions": np.arange(seq, dtype=np.int32) - np.maximum.accumulate(segment_start, axis=1),
+    }
 
 
 class GlobalOrder:
@@ -273,5 +282,8 @@ class GlobalOrder:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         rows = batch_size // dp_size
         first = step * batch_size + dp_rank * rows
-        source, within = self.instances_at(np.arange(first, first + rows, dtype=np.int64))
+        try:
+            source, within = self.instances_at(np.arange(first, first + rows, dtype=np.int64))
+        except RepetitionLimitError as e:
+            raise RepetitionLimitError(f"global batch {step}: {e}") from None
         return self.read_instances(source, within)

@@ -43,6 +43,11 @@ from olmo_data.errors import DataError
 from olmo_data.ngrams import isin_sorted, ngram_hashes, unique_sorted
 from olmo_data.shards import ShardWriter
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; concurrent builders then just race (safely)
+    fcntl = None
+
 SAMPLE_VERSION = "sample-v1"  # bump when the build recipe changes: old caches are then ignored
 VOCAB_SIZE = 4096
 EOS_TOKEN = "<|endoftext|>"  # id 0
@@ -320,7 +325,8 @@ def _is_current(directory: Path) -> bool:
     except (FileNotFoundError, json.JSONDecodeError):
         return False
     return (
-        record.get("version") == SAMPLE_VERSION
+        (directory / "mixture.yaml").exists()
+        and record.get("version") == SAMPLE_VERSION
         and record.get("python_version") == python_version()
         and record.get("recipe") == recipe_hash()
     )
@@ -329,12 +335,26 @@ def _is_current(directory: Path) -> bool:
 def sample_mixture_path(rebuild: bool = False) -> Path:
     """Path of the sample mixture YAML, building the sample first if it is not cached."""
     final = sample_dir()
-    if not rebuild and _is_current(final) and (final / "mixture.yaml").exists():
+    if not rebuild and _is_current(final):
         return final / "mixture.yaml"
     final.parent.mkdir(parents=True, exist_ok=True)
+    # Parallel test workers would each spend ~40 s of CPU on the same build: the first one
+    # builds, the others wait on this lock and then find it current. The temp dir + rename
+    # below keeps the cache consistent even where the lock is advisory or absent.
+    with open(final.parent / ".lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not rebuild and _is_current(final):
+            return final / "mixture.yaml"
+        _build_into(final, rebuild)
+    return final / "mixture.yaml"
+
+
+def _build_into(final: Path, rebuild: bool) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
     try:
         build_sample(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         if final.exists() and (rebuild or not _is_current(final)):
             # Move the stale copy aside first: rename cannot replace a non-empty directory.
             stale = Path(tempfile.mkdtemp(prefix=".stale-", dir=final.parent))
@@ -351,7 +371,6 @@ def sample_mixture_path(rebuild: bool = False) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final / "mixture.yaml"
 
 
 def sample_main(argv: list[str]) -> int:

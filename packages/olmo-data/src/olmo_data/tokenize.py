@@ -7,7 +7,7 @@ into zstd shards, with several processes, resumably, split into independent jobs
 Work is cut into *units*: one local jsonl/parquet file (or .txt file with --txt-per-line),
 a group of --docs-per-shard .txt files (one document each), or a block of --docs-per-shard
 rows of a hub dataset. Units are sorted; job i of n takes units i, i+n, i+2n, ... Each unit
-writes `<unit>-<part>.shard` files of at most --docs-per-shard documents, each document's
+writes `<unit>-<part>.shard` files (unit: the input's path below the common input folder) of at most --docs-per-shard documents, each document's
 ids followed by eos. A shard already present with a valid manifest for the same input
 and first document is skipped, so a killed run resumes where it stopped.
 """
@@ -87,7 +87,7 @@ def _local_files(inputs: list[str]) -> list[str] | None:
             files.update(str(p) for p in Path(item).rglob("*") if p.is_file() and str(p).endswith(_TEXT_SUFFIXES))
         elif os.path.isfile(item):
             files.add(item)
-        elif len(inputs) == 1 and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", item):
+        elif len(inputs) == 1 and not item.endswith(_TEXT_SUFFIXES) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", item):
             return None
         else:
             raise DataError(f"--input {item}: no such file, directory or glob; check the path")
@@ -97,12 +97,8 @@ def _local_files(inputs: list[str]) -> list[str] | None:
 
 
 def _stem(path: str, root: str) -> str:
-    rel = os.path.relpath(path, root)
-    for suffix in _TEXT_SUFFIXES:
-        if rel.endswith(suffix):
-            rel = rel[: -len(suffix)]
-            break
-    return re.sub(r"[^\w.-]+", "_", rel.replace(os.sep, "__"))
+    """A file-name-safe unit name; the input's suffix stays so a.jsonl and a.parquet differ."""
+    return re.sub(r"[^\w.-]+", "_", os.path.relpath(path, root).replace(os.sep, "__"))
 
 
 def plan_units(inputs: list[str], docs_per_shard: int, txt_per_line: bool, hub_split: str) -> list[Unit]:
@@ -111,8 +107,9 @@ def plan_units(inputs: list[str], docs_per_shard: int, txt_per_line: bool, hub_s
     if files is None:
         num_rows = _load_hub(inputs[0], hub_split).num_rows
         return [
-            Unit(f"{_stem(inputs[0], '.')}-{hub_split}-{start:012d}", "hub", (inputs[0],), start, min(start + docs_per_shard, num_rows))
+            Unit(f"{_stem(inputs[0], '.')}-{hub_split}-{start:012d}", "hub", (inputs[0],), start, stop)
             for start in range(0, num_rows, docs_per_shard)
+            for stop in [min(start + docs_per_shard, num_rows)]
         ]
     root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
     units, loose_txt = [], []

@@ -211,7 +211,8 @@ class OlmoModel(nnx.Module):
         x, _ = jax.lax.scan(block, x, (self.layers.arrays(), windows, is_full))
 
         x = rms_norm(x, self.final_norm[...], spec.norm_eps)
-        return jnp.einsum("bsd,dv->bsv", x, self.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+        head = self.lm_head[...].astype(dtype)
+        return jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
 
     def _block(self, x, w, cos, sin, mask):
         spec, dtype = self.spec, self.dtype

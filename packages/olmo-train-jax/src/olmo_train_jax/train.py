@@ -196,7 +196,7 @@ def make_step_functions(
             apply_update,
             in_shardings=(params_sharding, opt_sharding, params_sharding, replicated, replicated),
             out_shardings=(params_sharding, opt_sharding),
-            donate_argnums=(0, 1, 2),
+            donate_argnums=(0, 1),
         ),
         fused=jax.jit(
             fused,

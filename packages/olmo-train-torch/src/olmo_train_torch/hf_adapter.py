@@ -1,6 +1,9 @@
 """The one place mapping transformers' Olmo3 parameter names to ``OlmoModel``'s state dict.
 
-HF names and shapes come from ``olmo_model.hf_param_shapes(spec)``; every tensor is
+HF names and shapes come from ``olmo_model.hf_param_shapes(spec)``. MoE layers keep
+their routed experts stacked (``blocks.N.mlp.experts.gate_proj`` [E, hidden, d], the
+grouped-GEMM layout), so HF's per-expert ``mlp.experts.{e}.gate_proj.weight`` is slice
+``e`` of it; router and shared experts map 1:1. Every tensor is
 checked (present, expected, right shape, right vocab) before anything is copied, so a
 bad checkpoint leaves the model untouched and raises one ``CheckpointMismatchError``
 line naming the tensor, what was expected, what was found and the fix.
@@ -8,6 +11,7 @@ line naming the tensor, what was expected, what was found and the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -30,6 +34,7 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "mlp.down_proj.weight",
     "post_feedforward_layernorm.weight": "mlp_norm.weight",
 }
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
@@ -42,15 +47,20 @@ class CheckpointMismatchError(ValueError):
     """A checkpoint that does not fit the spec; the message names the tensor and the fix."""
 
 
-def _local_name(hf_name: str) -> str:
+def _local_name(hf_name: str) -> tuple[str, int | None]:
     if hf_name in _TOP_NAMES:
-        return _TOP_NAMES[hf_name]
+        return _TOP_NAMES[hf_name], None
     _, _, layer, rest = hf_name.split(".", 3)  # "model.layers.N.rest"
-    return f"blocks.{layer}.{_LAYER_NAMES[rest]}"
+    expert = _EXPERT.fullmatch(rest)
+    if expert is not None:
+        return f"blocks.{layer}.mlp.experts.{expert.group(2)}", int(expert.group(1))
+    # MoE router and shared experts keep their HF names inside the block.
+    return f"blocks.{layer}.{_LAYER_NAMES.get(rest, rest)}", None
 
 
-def hf_to_local_names(spec: ModelSpec) -> dict[str, str]:
-    """HF name -> OlmoModel state-dict name, for every parameter of ``spec``, in HF order."""
+def hf_to_local_names(spec: ModelSpec) -> dict[str, tuple[str, int | None]]:
+    """HF name -> (OlmoModel state-dict name, expert index into its stacked tensor or None),
+    for every parameter of ``spec``, in HF order."""
     return {name: _local_name(name) for name in hf_param_shapes(spec)}
 
 
@@ -62,13 +72,19 @@ def to_hf(
     if isinstance(state, OlmoModel):
         state = state.state_dict()
     out = {}
-    for hf_name, local in hf_to_local_names(spec).items():
+    for hf_name, (local, expert) in hf_to_local_names(spec).items():
         if local not in state:
             raise CheckpointMismatchError(
                 f"to_hf: state dict has no '{local}' (HF '{hf_name}'); "
                 "pass the state dict of an OlmoModel built from this spec"
             )
-        out[hf_name] = state[local].detach()
+        if expert is not None and expert >= state[local].shape[0]:
+            raise CheckpointMismatchError(
+                f"to_hf: '{local}' holds {state[local].shape[0]} experts, HF '{hf_name}' needs expert {expert}; "
+                "export an unsharded model (expert-parallel ranks hold only their own experts)"
+            )
+        tensor = state[local].detach()
+        out[hf_name] = tensor if expert is None else tensor[expert]
     return out
 
 
@@ -120,12 +136,13 @@ def load_hf(
     ones; a wrong shape is always an error."""
     _check(model.spec, tensors, strict, source)
     params = model.state_dict()
-    for hf_name, local in hf_to_local_names(model.spec).items():
+    for hf_name, (local, expert) in hf_to_local_names(model.spec).items():
         if hf_name in tensors:
             value = tensors[hf_name]
             if isinstance(value, np.ndarray):
                 value = torch.from_numpy(np.ascontiguousarray(value))
-            params[local].copy_(value)
+            target = params[local] if expert is None else params[local][expert]
+            target.copy_(value)
 
 
 def model_from_hf(

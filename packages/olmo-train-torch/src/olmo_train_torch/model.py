@@ -14,7 +14,10 @@ Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
   use ``is_causal=True`` (the fused flash/cuDNN path on GPU); sliding layers pass a
   boolean band mask (key k is visible to query q when q - window < k <= q);
   optional ``doc_ids`` also hide keys of other documents (every layer then uses a mask);
-- SwiGLU MLP with separate gate/up/down projections; no biases anywhere.
+- SwiGLU MLP with separate gate/up/down projections; no biases anywhere;
+- MoE layers (``spec.is_moe_layer(i)``): the MLP is ``moe.MoE`` (router, routed experts
+  through grouped GEMMs, shared experts); such a block returns ``(x, RoutingStats)`` and
+  ``forward(..., return_moe_stats=True)`` hands the stats to the loss (``moe_aux_losses``).
 
 Module layout (names map 1:1 to the HF layout in ``hf_adapter``): ``embed``,
 ``blocks`` (one ``Block`` per layer, the unit a parallelize module shards or
@@ -31,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from olmo_model import ModelSpec, YarnSpec
 from torch import nn
+
+from .moe import GroupedExperts, MoE, RoutingStats
 
 
 class RMSNorm(nn.Module):
@@ -141,11 +146,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One reordered-norm decoder layer; its attention kind and RoPE come from the caller."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, mlp: nn.Module | None = None):
         super().__init__()
         self.attn = Attention(spec)
         self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = mlp if mlp is not None else MLP(spec)
         self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
 
     def forward(
@@ -155,19 +160,32 @@ class Block(nn.Module):
         return h + self.mlp_norm(self.mlp(h))
 
 
+class MoEBlock(Block):
+    """A reordered-norm layer whose MLP is a mixture of experts; returns (x, RoutingStats)."""
+
+    def __init__(self, spec: ModelSpec, layer: int):
+        assert spec.moe is not None
+        super().__init__(spec, MoE(spec.moe, spec.d_model, layer))
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, RoutingStats]:
+        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+        m, stats = self.mlp(h)
+        return h + self.mlp_norm(m), stats
+
+
 class OlmoModel(nn.Module):
-    """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None) -> logits [B,S,padded_vocab]``."""
+    """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None) -> logits [B,S,padded_vocab]``
+    (``(logits, [RoutingStats per MoE layer])`` with ``return_moe_stats=True``)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        if spec.moe is not None:
-            raise NotImplementedError(
-                f"MoE spec '{spec.name}': the torch MoE block arrives with issue 8; "
-                "use a dense spec (moe: null)"
-            )
         self.spec = spec
         self.embed = nn.Embedding(spec.padded_vocab_size, spec.d_model)
-        self.blocks = nn.ModuleList(Block(spec) for _ in range(spec.n_layers))
+        self.blocks = nn.ModuleList(
+            MoEBlock(spec, i) if spec.is_moe_layer(i) else Block(spec) for i in range(spec.n_layers)
+        )
         self.norm = RMSNorm(spec.d_model, spec.norm_eps)
         self.lm_head = nn.Linear(spec.d_model, spec.padded_vocab_size, bias=False)
         # Derived from the spec, never parameters or buffers: RoPE tables keyed by
@@ -212,10 +230,13 @@ class OlmoModel(nn.Module):
         return self._band(seq, window, device) & same_doc
 
     # ---- forward / init ---------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, *, return_moe_stats: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, list[RoutingStats]]:
         """Logits in the parameter dtype. ``doc_ids`` [B,S] (any integer labels, equal
         within a document) restricts attention to the query's own document; RoPE positions
-        keep counting across documents (Olmo-core style)."""
+        keep counting across documents (Olmo-core style). ``return_moe_stats`` also returns
+        each MoE layer's routing statistics (an empty list for a dense spec)."""
         _, seq = input_ids.shape
         device = input_ids.device
         same_doc = None
@@ -229,15 +250,22 @@ class OlmoModel(nn.Module):
         windows = [self.spec.window_of(i) for i in range(len(self.blocks))]
         masks = {w: self._mask(w, seq, device, same_doc) for w in set(windows)}
         x = self.embed(input_ids)
+        moe_stats: list[RoutingStats] = []
         for i, block in enumerate(self.blocks):
             cos, sin = self._rope(i, seq, device)
-            x = block(x, cos, sin, masks[windows[i]])
-        return self.lm_head(self.norm(x))
+            out = block(x, cos, sin, masks[windows[i]])
+            if isinstance(out, tuple):
+                x, stats = out
+                moe_stats.append(stats)
+            else:
+                x = out
+        logits = self.lm_head(self.norm(x))
+        return (logits, moe_stats) if return_moe_stats else logits
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Truncated normal (std spec.init_std, cut at +-init_cutoff*std) for every Linear
-        and the embedding; norms to ones. Values are drawn on the CPU in float32 in module
+        """Truncated normal (std spec.init_std, cut at +-init_cutoff*std) for every Linear,
+        the embedding and the stacked expert weights (routers included); norms to ones. Values are drawn on the CPU in float32 in module
         order from one generator, so a seed gives the same weights on any device/dtype."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std, cut = self.spec.init_std, self.spec.init_cutoff * self.spec.init_std
@@ -246,6 +274,11 @@ class OlmoModel(nn.Module):
                 w = torch.empty(module.weight.shape, dtype=torch.float32)
                 nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cut, b=cut, generator=gen)
                 module.weight.copy_(w)
+            elif isinstance(module, GroupedExperts):
+                for param in (module.gate_proj, module.up_proj, module.down_proj):
+                    w = torch.empty(param.shape, dtype=torch.float32)
+                    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cut, b=cut, generator=gen)
+                    param.copy_(w)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 

@@ -1,0 +1,232 @@
+"""End-to-end tests of ``olmo-train-jax``: the real entry point on a tiny model (CPU, fp32).
+
+Runs that need several simulated devices, or a hard crash, are subprocesses with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``; one-device runs call ``cli.main``
+in-process. The data is a small synthetic mixture written by the tests (sequence 64, global
+batch 16 sequences), except for the default-job test, which trains on the embedded sample.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from olmo_data import MixtureLoader, load_mixture
+from olmo_model.recipe import load_recipe
+from olmo_model.runlog import TRAIN_KEYS, complete_checkpoints, read_meta, read_metrics
+from olmo_train_jax.cli import main
+
+STEPS = 20
+BASE = [
+    "--model=tiny", "--train.global_batch_tokens=1024", f"--train.steps={STEPS}", "--train.precision=fp32",
+    "--checkpoint.every=10", "--eval.every=10", "--log.progress=false",
+]
+# 8 devices: every mesh axis in use, and 2 accumulation micro-steps of 2 sequences per device.
+EIGHT = ["--jax.mesh.data=2", "--jax.mesh.fsdp=2", "--jax.mesh.tensor=2", "--train.micro_batch_size=2"]
+
+
+def _documents(rng: np.random.Generator, n_tokens: int) -> np.ndarray:
+    """EOS-terminated documents where each token has 8 possible successors: learnable, and
+    13-gram collisions between independent draws are practically impossible."""
+    out: list[int] = []
+    while len(out) < n_tokens:
+        a = int(rng.integers(2, 4096))
+        doc = [a]
+        for _ in range(int(rng.integers(20, 200))):
+            a = (a * 7 + 13 + int(rng.integers(0, 8))) % 4094 + 2
+            doc.append(a)
+        out.extend(doc + [0])
+    return np.asarray(out, np.uint16)
+
+
+def write_mixture(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for name, n in (("train_a", 60_000), ("train_b", 30_000), ("held", 3_000)):
+        _documents(rng, n).tofile(root / f"{name}.bin")
+    (root / "mixture.yaml").write_text(
+        "name: jax-trainer-test\nsequence_length: 64\nseed: 7\neos_token_id: 0\nvocab_size: 4096\n"
+        "sources:\n"
+        "  - {name: a, paths: [train_a.bin], format: numpy, dtype: uint16, ratio: 0.6}\n"
+        "  - {name: b, paths: [train_b.bin], format: numpy, dtype: uint16, ratio: 0.4}\n"
+        "held_out:\n  - {name: held, paths: [held.bin], format: numpy, dtype: uint16}\n"
+        "eval: {sequences_per_source: 16}\n"
+    )
+    return root / "mixture.yaml"
+
+
+def run_subprocess(args: list[str], devices: int = 1, kill_after: int | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.pop("OLMO_TEST_KILL_AFTER_CHECKPOINT", None)
+    if kill_after is not None:
+        env["OLMO_TEST_KILL_AFTER_CHECKPOINT"] = str(kill_after)
+    return subprocess.run(
+        [sys.executable, "-m", "olmo_train_jax", *args], env=env, capture_output=True, text=True, timeout=900
+    )
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under folder with the sha256 of its bytes."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory) -> Path:
+    return write_mixture(tmp_path_factory.mktemp("mixture"))
+
+
+@pytest.fixture(scope="module")
+def one_device_run(mixture, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "one"
+    assert main([*BASE, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def eight_device_run(mixture, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "eight"
+    done = run_subprocess([*BASE, *EIGHT, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], devices=8)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=2 x fsdp=2 x tensor=2 over 8 cpu device(s)" in done.stdout
+    return run_dir
+
+
+def test_metrics_keys_and_lr_follow_the_schedule(one_device_run):
+    recipe = load_recipe(one_device_run / "recipe.yaml", [])
+    records = read_metrics(one_device_run)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        assert tuple(r) == TRAIN_KEYS
+        assert r["lr"] == recipe.schedule.lr(r["step"], recipe.optim.lr, STEPS)
+        assert r["tokens_seen"] == r["step"] * 16 * 64
+        assert r["mfu_peak"].startswith("measured cpu fp32 matmul")
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20]
+    held = evals[-1]["eval"]["held"]
+    assert held["tokens"] == 16 * 64 and held["perplexity"] == pytest.approx(np.exp(held["loss"]))
+    assert [s for s, _ in complete_checkpoints(one_device_run)] == [10, 20]
+    assert (one_device_run / "loss.png").exists()
+
+
+def test_exact_resume_after_sigkill(mixture, one_device_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    args = [*BASE, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
+    killed = run_subprocess(args, kill_after=10)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [10]
+    resumed = run_subprocess(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    want, got = train_losses(one_device_run), train_losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]  # bitwise
+    # A complete run restarted is a no-op that writes nothing.
+    before = snapshot(run_dir)
+    again = run_subprocess(args)
+    assert again.returncode == 0 and "already complete" in again.stdout
+    assert snapshot(run_dir) == before
+
+
+def test_eight_devices_match_one_device(one_device_run, eight_device_run):
+    one, eight = train_losses(one_device_run), train_losses(eight_device_run)
+    assert sorted(eight) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert abs(one[s] - eight[s]) <= 1e-5, (s, one[s], eight[s])
+    assert one[STEPS] < one[1]
+
+
+def test_elastic_resume_on_two_devices(mixture, eight_device_run, tmp_path):
+    run_dir = tmp_path / "elastic"
+    shutil.copytree(eight_device_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000020")
+    done = run_subprocess(
+        [*BASE, "--train.micro_batch_size=2", f"--data.mixture={mixture}", f"--run_dir={run_dir}"], devices=2
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The layout changes with the device count; the global batch does not.
+    assert "written with global batch 16 = 2 per device x 4 data-parallel x 2 accumulation" in done.stdout
+    assert "batch layout: global batch 16 = 2 per device x 2 data-parallel x 4 accumulation" in done.stdout
+    want, got = train_losses(eight_device_run), train_losses(run_dir)
+    for s in range(11, STEPS + 1):
+        assert abs(got[s] - want[s]) <= 1e-5, (s, got[s], want[s])
+
+    # The global batches after the resume: from the checkpoint's loader state, read as two
+    # ranks, they equal the uninterrupted order read as eight ranks.
+    state = read_meta(run_dir / "checkpoints" / "step_00000010")["loader_state"]
+    assert state["step"] == 10
+    mix = load_mixture(mixture)
+
+    def digests(loaders, count):
+        iters = [iter(ld) for ld in loaders]
+        out = []
+        for _ in range(count):
+            rows = [next(it)["input_ids"] for it in iters]
+            out.append(hashlib.sha256(np.concatenate(rows).tobytes()).hexdigest())
+        for it in iters:
+            it.close()
+        return out
+
+    resumed = [MixtureLoader(mix, 16, dp_rank=r, dp_size=2, prefetch=0) for r in range(2)]
+    for ld in resumed:
+        ld.load_state_dict(state)
+    straight = [MixtureLoader(mix, 16, dp_rank=r, dp_size=8, start_step=10, prefetch=0) for r in range(8)]
+    assert digests(resumed, 10) == digests(straight, 10)
+
+
+def test_bad_input_leaves_the_run_dir_untouched(mixture, one_device_run, tmp_path, capsys):
+    def fails(args: list[str], needle: str) -> None:
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+
+    fresh = tmp_path / "fresh"
+    fails([*BASE, f"--data.mixture={mixture}", f"--run_dir={fresh}", "--optim.lrr=1"], "optim.lrr")
+    fails([*BASE, f"--data.mixture={mixture}", f"--run_dir={fresh}", "--train.micro_batch_size=3"], "micro_batch_size")
+    fails([*BASE, f"--data.mixture={mixture}", f"--run_dir={fresh}", "--train.global_batch_tokens=1000"], "1000")
+    assert not fresh.exists()
+
+    existing = tmp_path / "existing"
+    shutil.copytree(one_device_run, existing)
+    before = snapshot(existing)
+    fails([*BASE, "--model=tiny-gqa", f"--data.mixture={mixture}", f"--run_dir={existing}"], "n_kv_heads")
+    assert snapshot(existing) == before
+
+    # The same data under another folder has the same fingerprint (a complete run: nothing to
+    # do); one more token in a training file changes it and the resume is refused.
+    copy = tmp_path / "mixture-copy"
+    shutil.copytree(mixture.parent, copy)
+    assert main([*BASE, f"--data.mixture={copy / 'mixture.yaml'}", f"--run_dir={existing}"]) == 0
+    assert snapshot(existing) == before
+    with open(copy / "train_b.bin", "ab") as f:
+        f.write(np.asarray([5, 0], np.uint16).tobytes())
+    fails([*BASE, f"--data.mixture={copy / 'mixture.yaml'}", f"--run_dir={existing}"], "fingerprint")
+    assert snapshot(existing) == before
+
+
+def test_default_job_loss_falls(tmp_path):
+    """The README's default job (model "small", the embedded sample, bf16), shortened to 30
+    steps of 4 x 512 tokens."""
+    run_dir = tmp_path / "default"
+    args = ["--train.steps=30", "--train.global_batch_tokens=2048", f"--run_dir={run_dir}", "--log.progress=false"]
+    assert main(args) == 0
+    losses = [train_losses(run_dir)[s] for s in range(1, 31)]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
+    evals = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+    assert evals and all(np.isfinite(v["perplexity"]) for v in evals[-1]["eval"].values())
+    assert json.loads((run_dir / "spec.json").read_text())["d_model"] == 128

@@ -1,0 +1,145 @@
+"""Expert parallelism for the torch MoE blocks, applied from outside the model.
+
+Each rank of an expert-parallel group of size ``ep`` keeps a contiguous slice of
+``E / ep`` experts of every MoE layer (rank r: experts ``[r*E/ep, (r+1)*E/ep)``); the
+router, the shared experts and every dense part stay replicated (data parallel).
+One MoE forward on a rank:
+
+1. the block routes its own tokens and sorts the (token, slot) assignments by expert
+   (``moe.MoE``); ``sizes[e]`` counts them;
+2. the per-expert counts are exchanged with one ``all_to_all_single`` of E integers, so
+   every rank knows how many rows each source sends for each of its experts;
+3. the split sizes go to the host (``.tolist()``: the one host sync of the routing path
+   on GPU; ``all_to_all_single`` takes Python split lists, as in torchtitan) and the
+   rows move by ``all_to_all_single`` (dispatch); they arrive ordered by (source rank,
+   expert) and are regrouped by (expert, source rank) with a stable argsort;
+4. the local experts run one grouped GEMM per projection;
+5. the inverse permutation and a second ``all_to_all_single`` (combine) return every
+   row to its source, in the order it was sent; the block weights and sums them.
+
+Both all-to-alls are autograd functions whose backward is the opposite all-to-all, so
+expert gradients collect the contributions of every rank's tokens. gloo (CPU) supports
+``all_to_all_single`` with uneven splits in torch 2.15 (checked), NCCL does on GPU.
+
+Gradient convention (``reduce_gradients``): each rank's loss is its share of the global
+loss (its tokens' CE over the global token count, plus the aux losses whose gradient
+flows through its own tokens, ``moe.moe_aux_losses``); dense gradients are then summed
+over the data-parallel group, and expert gradients over the ranks that hold the same
+experts (``expert_dp_group``; None when ep equals the data-parallel size). A trainer
+using DDP/FSDP (which average) scales its loss by the data-parallel size instead and
+must then divide expert gradients by the same factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .moe import GroupedExperts, moe_modules
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with uneven splits; backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Send ``in_splits[r]`` consecutive rows of ``x`` to rank r, receive ``out_splits[r]``
+    rows from rank r (differentiable)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class ExpertParallelDispatcher:
+    """Moves sorted rows to the ranks owning their experts and back (see module doc).
+
+    ``last_received`` is the number of rows this rank's experts computed in the latest
+    forward (the real per-rank load, for metrics and tests)."""
+
+    def __init__(self, group, n_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        if n_experts % self.ep:
+            raise ValueError(
+                f"expert parallel: n_experts={n_experts} is not divisible by the expert-parallel size {self.ep}; "
+                "choose an ep size that divides moe.n_experts"
+            )
+        self.local_experts = n_experts // self.ep
+        self.last_received = 0
+
+    def __call__(self, xs: torch.Tensor, sizes: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        """``xs`` [N, d] sorted by global expert, ``sizes`` [E] -> expert outputs [N, d], same order."""
+        ep, local = self.ep, self.local_experts
+        recv_sizes = torch.empty_like(sizes)
+        dist.all_to_all_single(recv_sizes, sizes.contiguous(), group=self.group)
+        by_source = recv_sizes.reshape(ep, local)  # [source rank, local expert]
+        # The host needs the split sizes for all_to_all_single: the one sync of this path.
+        send_splits = sizes.reshape(ep, local).sum(1).tolist()
+        recv_splits = by_source.sum(1).tolist()
+        received = all_to_all_rows(xs, recv_splits, send_splits, self.group)
+        total = sum(recv_splits)
+        self.last_received = total
+        segment = torch.repeat_interleave(
+            torch.arange(ep * local, device=xs.device), by_source.reshape(-1), output_size=total
+        )
+        source, expert = segment // local, segment % local
+        # Stable: rows of one (expert, source) pair keep the order they were sent in.
+        perm = torch.argsort(expert * ep + source, stable=True)
+        ys_local = experts(received[perm], by_source.sum(0))
+        ys = torch.empty_like(ys_local).index_copy(0, perm, ys_local)
+        return all_to_all_rows(ys, send_splits, recv_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, group) -> None:
+    """Keep this rank's contiguous slice of every MoE layer's experts and route tokens
+    through ``group`` (the expert-parallel process group). Call it after the weights are
+    initialised or loaded (every rank must hold the same full weights at that point)."""
+    rank = dist.get_rank(group)
+    for moe in moe_modules(model):
+        dispatcher = ExpertParallelDispatcher(group, moe.spec.n_experts)
+        lo = rank * dispatcher.local_experts
+        hi = lo + dispatcher.local_experts
+        experts = moe.experts
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            full = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad))
+        moe.dispatcher = dispatcher
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The routed-expert weights (sharded by expert parallelism, not data-parallel)."""
+    return [p for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()]
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter that is replicated over the data-parallel ranks."""
+    experts = {id(p) for p in expert_parameters(model)}
+    return [p for p in model.parameters() if id(p) not in experts]
+
+
+def reduce_gradients(model: nn.Module, dp_group, expert_dp_group=None) -> None:
+    """Sum gradients over ranks (the convention in the module doc): dense ones over
+    ``dp_group``, expert ones over ``expert_dp_group`` (if any). Flattened into one
+    buffer per kind, so each is one all-reduce."""
+    for params, group in ((dense_parameters(model), dp_group), (expert_parameters(model), expert_dp_group)):
+        grads = [p.grad for p in params if p.grad is not None]
+        if group is None or not grads:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,384 @@
+"""The mixture-of-experts feed-forward block of the torch model (issue 8).
+
+Maths (the contract shared with the JAX trainer and ``olmo_model.reference``):
+
+- router logits ``r = x @ W_router^T`` in float32; probabilities ``p = softmax(r)`` (or
+  ``sigmoid(r)``); each token takes the top-k of ``p`` (ties to the lower expert index:
+  a stable sort); weights ``w = p[top-k]``, renormalised to sum 1 if ``normalize_top_k``;
+- ``out = sum_k w_k SwiGLU_{e_k}(x) + sum_s SwiGLU_shared_s(x)``;
+- dropless: every (token, slot) assignment is computed. The assignments are sorted by
+  expert (a stable argsort, so the order inside a group is the token order), the group
+  sizes are counted with ``scatter_add`` (no host sync, unlike ``bincount`` on CUDA) and
+  each of the three SwiGLU matmuls is ONE grouped GEMM over the variable-size groups.
+
+Routing modes (a runtime knob, never in the spec; ``configure_moe``):
+``learned`` (above); ``random``: the scores are i.i.d. uniform numbers from a torch
+generator seeded by (seed, step, layer, rank), weights are the softmax of the chosen k
+scores, no gradient reaches the router; ``uniform``: token t of this rank's micro-batch
+goes to experts ``(t*k + j) mod E`` with weight 1/k (perfect balance). The router still
+runs (detached) in these modes so that its aux losses are reported.
+
+Grouped GEMM backends (``gemm``):
+
+- ``grouped_mm``: ``torch._grouped_mm(x [N,in], w [E,in,out], offs)``, group ends as an
+  int32 device tensor, so the expert computation needs no host sync. In torch 2.15 it
+  runs on CPU (float32/bfloat16) and on CUDA (the fast CUTLASS kernel on sm90+);
+  it needs 16-byte aligned rows (in/out widths a multiple of 4 in fp32, 8 in bf16) and
+  no float64;
+- ``loop``: the correct fallback everywhere else: one ``matmul`` per expert over its
+  contiguous slice of the sorted tokens (the group sizes come to the host once per
+  layer, which is a sync on GPU);
+- ``auto``: ``grouped_mm`` when dtype and alignment allow, else ``loop``.
+
+MXFP8 (``mxfp8=True``): an emulation of OCP MX FP8 for the expert GEMMs. Both operands
+of each routed-expert matmul are quantised to e4m3 with one power-of-two (e8m0) scale
+per 32 contiguous elements along the reduction axis, dequantised, and multiplied in
+the working dtype. Gradients pass straight through to the unquantised tensors (the
+backward GEMMs are not quantised here). The fast path (not available on this machine)
+is the block-scaled tcgen05 MMA of B200/B300: ``torch._scaled_mm`` /
+``torch._scaled_grouped_mm`` with ``float8_e4m3fn`` operands and ``float8_e8m0fnu``
+scales in the swizzled block layout (torchao's ``MXLinear`` / MoE training prototype
+builds those); Hopper (H100/H200) has FP8 tensor cores but no MX block scaling.
+
+Aux losses need the whole global micro-batch (every data-parallel rank), so the block
+only returns this rank's ``RoutingStats``; ``moe_aux_losses`` reduces them (one
+all-reduce of E+2 numbers per layer) outside the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from olmo_model import MoESpec
+from torch import nn
+
+RoutingMode = Literal["learned", "random", "uniform"]
+GemmBackend = Literal["auto", "grouped_mm", "loop"]
+ROUTING_MODES: tuple[str, ...] = ("learned", "random", "uniform")
+GEMM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
+
+MX_BLOCK = 32  # elements sharing one e8m0 scale (OCP Microscaling spec v1.0)
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+
+
+# ---- MXFP8 emulation ------------------------------------------------------------------
+
+def mxfp8_quantize(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``t`` rounded through MXFP8 and back: blocks of 32 along ``dim`` share a scale
+    2^ceil(log2(amax / 448)), values are cast to e4m3 and multiplied back by the scale.
+
+    Rounding the scale exponent up (torchao's "ceil" mode) keeps every scaled value within
+    e4m3's range, so nothing saturates: each element's error is at most 2^-4 of itself
+    (3 mantissa bits, round to nearest) or, in e4m3's subnormal range, 2^-10 of the scale.
+    Returns the working dtype; a trailing partial block is padded with zeros."""
+    dim = dim % t.dim()
+    moved = t.movedim(dim, -1)
+    n = moved.shape[-1]
+    pad = (-n) % MX_BLOCK
+    x = F.pad(moved.float(), (0, pad)) if pad else moved.float()
+    blocks = x.reshape(*x.shape[:-1], -1, MX_BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    exponent = torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX))
+    # e8m0 encodes exponents in [-127, 127]; the float8 cast keeps the scale honest.
+    scale = torch.exp2(exponent.clamp(-127, 127)).to(torch.float8_e8m0fnu).float()
+    q = (blocks / scale).to(torch.float8_e4m3fn)
+    out = (q.float() * scale).reshape(x.shape)[..., :n]
+    return out.movedim(-1, dim).to(t.dtype)
+
+
+def _straight_through(t: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
+    # Forward value: the quantised tensor; gradient: identity to the original.
+    return t + (quantized - t).detach()
+
+
+# ---- grouped GEMM ---------------------------------------------------------------------
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if x.dtype not in (torch.float32, torch.bfloat16) or w.dtype != x.dtype:
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    item = x.element_size()
+    return (x.shape[-1] * item) % 16 == 0 and (w.shape[-1] * item) % 16 == 0
+
+
+def grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: GemmBackend = "auto"
+) -> torch.Tensor:
+    """Rows of ``x`` [N, in], sorted into consecutive groups of ``group_sizes`` [G] rows,
+    each times its own ``w[g]`` [in, out] -> [N, out]."""
+    if backend == "grouped_mm" or (backend == "auto" and _grouped_mm_ok(x, w)):
+        ends = torch.cumsum(group_sizes, 0).to(torch.int32)
+        return torch._grouped_mm(x, w, offs=ends)
+    outs = []
+    start = 0
+    for g, size in enumerate(group_sizes.tolist()):
+        outs.append(x[start : start + size] @ w[g])
+        start += size
+    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
+
+
+class GroupedExperts(nn.Module):
+    """``n`` SwiGLU experts stored as stacked weights, the layout a grouped GEMM reads:
+    ``gate_proj``/``up_proj`` [n, hidden, d] and ``down_proj`` [n, d, hidden], each
+    expert's slice laid out as an ``nn.Linear`` weight (out, in), as the HF names are.
+    Expert parallelism keeps a contiguous slice of experts on each rank."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+        self.gemm: GemmBackend = "auto"
+        self.mxfp8 = False
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, xs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """``xs`` [N, d] sorted by expert, ``group_sizes`` [n] -> SwiGLU outputs [N, d]."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        if self.mxfp8:
+            # Each matmul reduces over the last axis of both operands: d for gate/up, hidden for down.
+            gate = _straight_through(gate, mxfp8_quantize(gate, -1))
+            up = _straight_through(up, mxfp8_quantize(up, -1))
+            down = _straight_through(down, mxfp8_quantize(down, -1))
+            xs = _straight_through(xs, mxfp8_quantize(xs, -1))
+        g = grouped_matmul(xs, gate.transpose(1, 2), group_sizes, self.gemm)
+        u = grouped_matmul(xs, up.transpose(1, 2), group_sizes, self.gemm)
+        h = F.silu(g) * u
+        if self.mxfp8:
+            h = _straight_through(h, mxfp8_quantize(h, -1))
+        return grouped_matmul(h, down.transpose(1, 2), group_sizes, self.gemm)
+
+
+class SwiGLU(nn.Module):
+    """A dense SwiGLU expert (the shared expert), ``nn.Linear`` weights as in the HF layout."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---- routing --------------------------------------------------------------------------
+
+class RoutingStats(NamedTuple):
+    """One MoE layer's routing over this rank's tokens of one micro-batch (a NamedTuple, so
+    that FSDP2 and activation checkpointing see its tensors as block outputs)."""
+
+    tokens_per_expert: torch.Tensor  # [E] int64: (token, slot) assignments per expert
+    prob_sum: torch.Tensor  # [E] float32: sum over tokens of the router probability (has grad)
+    z_sum: torch.Tensor  # [] float32: sum over tokens of logsumexp(logits)^2 (has grad)
+    n_tokens: int  # tokens of this rank
+    top_k: int
+
+
+@dataclass
+class Routing:
+    """Which experts each token uses (``experts`` [T, k]) with which weights ([T, k], fp32)."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+
+
+def _top_k_stable(scores: torch.Tensor, k: int) -> torch.Tensor:
+    # torch.topk does not promise an order among equal values; a stable descending sort
+    # puts the lower expert index first, as the numpy reference and JAX do.
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def route(
+    logits: torch.Tensor,
+    moe: MoESpec,
+    mode: RoutingMode = "learned",
+    generator: torch.Generator | None = None,
+) -> tuple[Routing, torch.Tensor]:
+    """Routing of T tokens from float32 router ``logits`` [T, E] -> (Routing, router
+    probabilities [T, E]). Random mode draws its scores from ``generator``."""
+    probs = torch.softmax(logits, dim=-1) if moe.gating == "softmax" else torch.sigmoid(logits)
+    t, e, k = logits.shape[0], moe.n_experts, moe.top_k
+    if mode == "learned":
+        experts = _top_k_stable(probs, k)
+        weights = probs.gather(1, experts)
+        if moe.normalize_top_k:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    elif mode == "random":
+        scores = torch.rand(t, e, generator=generator, device=logits.device)
+        experts = _top_k_stable(scores, k)
+        weights = torch.softmax(scores.gather(1, experts), dim=-1)
+    elif mode == "uniform":
+        slots = torch.arange(t * k, device=logits.device).reshape(t, k)
+        experts = slots % e
+        weights = torch.full((t, k), 1.0 / k, device=logits.device)
+    else:
+        raise ValueError(f"routing mode '{mode}' is unknown; use one of {', '.join(ROUTING_MODES)}")
+    return Routing(experts, weights), probs
+
+
+def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, group_sizes): ``order`` [T*k] lists flat (token, slot) indices grouped by
+    expert, token order kept inside a group; ``group_sizes`` [E] int64."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    sizes = torch.zeros(n_experts, dtype=torch.long, device=flat.device)
+    sizes.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, sizes
+
+
+class MoE(nn.Module):
+    """Router ``gate`` (an ``nn.Linear`` d -> E), routed ``experts`` and optional
+    ``shared_experts``; ``forward(x [..., d]) -> (out [..., d], RoutingStats)``.
+
+    ``dispatcher`` is None for local experts; ``expert_parallel.apply_expert_parallel``
+    sets one that moves tokens to the ranks owning their experts and back."""
+
+    def __init__(self, moe: MoESpec, d_model: int, layer: int):
+        super().__init__()
+        self.spec = moe
+        self.layer = layer
+        self.gate = nn.Linear(d_model, moe.n_experts, bias=False)
+        self.experts = GroupedExperts(moe.n_experts, d_model, moe.expert_hidden)
+        self.shared_experts = nn.ModuleList(SwiGLU(d_model, moe.shared_hidden) for _ in range(moe.n_shared_experts))
+        self.routing: RoutingMode = "learned"
+        self.routing_seed = 0
+        self.routing_step = 0  # advanced by the trainer; part of the random-routing seed
+        self.routing_rank = 0
+        self.dispatcher = None
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        # One stream per (seed, step, layer, rank): reproducible and independent of the
+        # order in which layers run (activation checkpointing replays them).
+        seed = hash((self.routing_seed, self.routing_step, self.layer, self.routing_rank)) % (2**63)
+        return torch.Generator(device=device).manual_seed(seed)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        learned = self.routing == "learned"
+        router_in = tokens if learned else tokens.detach()
+        # The router runs in float32 even under bf16 autocast (the contract's fp32 logits).
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(router_in.float(), self.gate.weight.float())
+        if not learned:
+            logits = logits.detach()
+        generator = self._generator(x.device) if self.routing == "random" else None
+        routing, probs = route(logits, self.spec, self.routing, generator)
+        order, sizes = sort_by_expert(routing.experts, self.spec.n_experts)
+        token_of = order // self.spec.top_k
+        xs = tokens[token_of]
+        if self.dispatcher is None:
+            ys = self.experts(xs, sizes)
+        else:
+            ys = self.dispatcher(xs, sizes, self.experts)
+        weights = routing.weights.reshape(-1)[order].to(ys.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, token_of, ys * weights[:, None])
+        for shared in self.shared_experts:
+            out = out + shared(tokens)
+        lse = torch.logsumexp(logits, dim=-1)
+        stats = RoutingStats(
+            tokens_per_expert=sizes,
+            prob_sum=probs.sum(0),
+            z_sum=(lse * lse).sum(),
+            n_tokens=tokens.shape[0],
+            top_k=self.spec.top_k,
+        )
+        return out.reshape(shape), stats
+
+
+# ---- aux losses and metrics -------------------------------------------------------------
+
+@dataclass
+class MoEAux:
+    """Aux losses averaged over MoE layers, over the global micro-batch; their values are
+    global, their gradients flow through this rank's tokens only, so summing the ranks'
+    gradients (or averaging rank-count-scaled losses, as DDP/FSDP do) gives the gradient
+    of the global loss."""
+
+    load_balancing: torch.Tensor  # [] E * sum_e f_e P_e, mean over layers
+    router_z: torch.Tensor  # [] mean over tokens of logsumexp(logits)^2, mean over layers
+    tokens_per_expert: torch.Tensor  # [E] int64, global, summed over layers
+
+
+def _global(local: torch.Tensor, group) -> torch.Tensor:
+    """The sum over ``group`` of ``local``, differentiable only through ``local``."""
+    if group is None:
+        return local
+    import torch.distributed as dist
+
+    total = local.detach().clone()
+    dist.all_reduce(total, group=group)
+    return local + (total - local.detach())
+
+
+def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
+    """Load-balancing and router z-loss over the global micro-batch (the ranks of
+    ``group``, the data-parallel group; None: this process only). One all-reduce of
+    E+2 numbers per layer; counts carry no gradient, P_e and the z sums do."""
+    if not stats:
+        raise ValueError("moe_aux_losses: no RoutingStats; the model has no MoE layer (spec.moe is null)")
+    lbs, zs, counts = [], [], []
+    for s in stats:
+        n_experts = s.tokens_per_expert.shape[0]
+        packed = torch.cat([
+            s.tokens_per_expert.float(),
+            s.prob_sum.float(),
+            torch.stack([s.z_sum.float(), torch.tensor(float(s.n_tokens), device=s.z_sum.device)]),
+        ])
+        total = _global(packed, group)
+        count, prob_sum, z_sum, n = (
+            total[:n_experts].detach(), total[n_experts : 2 * n_experts], total[-2], total[-1].detach()
+        )
+        f = count / (n * s.top_k)
+        lbs.append(n_experts * (f * prob_sum / n).sum())
+        zs.append(z_sum / n)
+        counts.append(count.round().long())
+    return MoEAux(torch.stack(lbs).mean(), torch.stack(zs).mean(), torch.stack(counts).sum(0))
+
+
+def rank_load_max_over_mean(tokens_per_expert: torch.Tensor, ep_size: int) -> float:
+    """Per expert-parallel rank (contiguous blocks of E/ep experts): the tokens it computes
+    over their mean; 1.0 is perfect balance, ep_size the worst case."""
+    n_experts = tokens_per_expert.shape[0]
+    if n_experts % ep_size:
+        raise ValueError(f"ep_size={ep_size} does not divide n_experts={n_experts}; choose a divisor")
+    per_rank = tokens_per_expert.reshape(ep_size, -1).sum(1).double()
+    mean = per_rank.mean()
+    return float(per_rank.max() / mean) if mean > 0 else 1.0
+
+
+def moe_modules(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def configure_moe(
+    model: nn.Module,
+    *,
+    routing: RoutingMode = "learned",
+    seed: int = 0,
+    rank: int = 0,
+    gemm: GemmBackend = "auto",
+    mxfp8: bool = False,
+) -> None:
+    """Set the runtime knobs (not part of the spec) on every MoE block of ``model``."""
+    if routing not in ROUTING_MODES:
+        raise ValueError(f"routing='{routing}' is unknown; use one of {', '.join(ROUTING_MODES)}")
+    if gemm not in GEMM_BACKENDS:
+        raise ValueError(f"gemm='{gemm}' is unknown; use one of {', '.join(GEMM_BACKENDS)}")
+    for m in moe_modules(model):
+        m.routing, m.routing_seed, m.routing_rank = routing, seed, rank
+        m.experts.gemm, m.experts.mxfp8 = gemm, mxfp8
+
+
+def set_routing_step(model: nn.Module, step: int) -> None:
+    """The optimizer step whose batch comes next (random routing's seed includes it)."""
+    for m in moe_modules(model):
+        m.routing_step = step
