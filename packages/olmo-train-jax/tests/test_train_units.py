@@ -65,7 +65,9 @@ def _flat(tree):
 def test_fused_step_with_accumulation_matches_numpy_adamw():
     # A small vocabulary keeps the compile and the float64 reference quick.
     spec = get_preset("tiny").replace(n_layers=2, vocab_size=256, padded_vocab_size=256)
-    recipe = load_recipe(None, ["--optim.grad_clip=0.05", "--optim.weight_decay=0.1", "--optim.lr=1e-2"])
+    recipe = load_recipe(
+        None, ["--optim.grad_clip=0.05", "--optim.weight_decay=0.1", "--optim.lr=1e-2", "--train.document_masking=true"]
+    )
     graphdef, state = nnx.split(build_model(spec, seed=3))
     params = nnx.to_pure_dict(state)
     tx = make_optimizer(params, recipe)

@@ -61,6 +61,12 @@ class MixtureLoader:
         self.step = start_step  # the next global batch to yield = global batches consumed so far
         self.prefetch = prefetch
         self.order = self.mixture.order  # built here, not lazily inside Grain's reader threads
+        log.info(
+            "MixtureLoader %s: fingerprint %s seed %d, sequence %d, global batch %d, rank %d/%d, step %d, "
+            "sources %s, slots per mixture epoch %s",
+            self.mixture.path, self.mixture.fingerprint()[:16], self.mixture.seed, self.mixture.sequence_length,
+            global_batch_size, dp_rank, dp_size, start_step, self.mixture.source_names, self.mixture.slots_per_epoch(),
+        )
 
     @property
     def tokens_per_global_batch(self) -> int:

@@ -139,11 +139,13 @@ def make_step_functions(
 ) -> StepFunctions:
     z_weight = spec.z_loss_weight
     clip = recipe.optim.grad_clip
+    # Without train.document_masking a query sees earlier documents of its window (Olmo 3).
+    masking = recipe.train.document_masking
     replicated = NamedSharding(mesh, P())
     batch_sh = sharding.batch_sharding(mesh)
 
     def micro_loss(params, input_ids, labels, doc_ids, n_tokens):
-        logits = nnx.merge(graphdef, params)(input_ids, doc_ids)
+        logits = nnx.merge(graphdef, params)(input_ids, doc_ids if masking else None)
         ce, z, _ = token_loss_sums(logits, labels)
         return (ce + z_weight * z) / n_tokens, (ce, z)
 
@@ -182,7 +184,7 @@ def make_step_functions(
         return params, opt_state, stats
 
     def evaluate(params, input_ids, labels, doc_ids):
-        logits = nnx.merge(graphdef, params)(input_ids, doc_ids)
+        logits = nnx.merge(graphdef, params)(input_ids, doc_ids if masking else None)
         ce, _, n = token_loss_sums(logits, labels)
         return ce, n
 

@@ -26,7 +26,7 @@ from olmo_model.recipe import RecipeError, load_recipe
 from olmo_model.runlog import TrainingStateError
 
 from .hf_adapter import CheckpointMismatchError
-from .parallelize import env_rank, init_distributed
+from .parallelize import env_rank
 from .train import train
 
 USER_ERRORS = (RecipeError, SpecError, DataError, TrainingStateError, CheckpointMismatchError, UnknownDeviceError)
@@ -39,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     recipe_path = args.pop(0) if args and not args[0].startswith("--") else None
     try:
-        recipe = load_recipe(recipe_path, args)
-        d = init_distributed(recipe.torch.backend)
-        train(recipe, d)
+        train(load_recipe(recipe_path, args))
     except USER_ERRORS as err:
         if env_rank() == 0:
             print(f"olmo-train-torch: error: {err}", file=sys.stderr, flush=True)

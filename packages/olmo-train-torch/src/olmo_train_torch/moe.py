@@ -307,6 +307,13 @@ class MoEAux:
     router_z: torch.Tensor  # [] mean over tokens of logsumexp(logits)^2, mean over layers
     tokens_per_expert: torch.Tensor  # [E] int64, global, summed over layers
 
+    def weighted(self, moe: MoESpec, routing: RoutingMode = "learned") -> torch.Tensor:
+        """The aux term of the training loss: lb_weight * lb + router_z_weight * router_z,
+        zero for random/uniform routing (whose router is not trained)."""
+        if routing != "learned":
+            return torch.zeros((), device=self.load_balancing.device)
+        return moe.load_balancing_loss_weight * self.load_balancing + moe.router_z_loss_weight * self.router_z
+
 
 def _global(local: torch.Tensor, group) -> torch.Tensor:
     """The sum over ``group`` of ``local``, differentiable only through ``local``."""

@@ -76,18 +76,26 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def process_layout() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) without it.
+    Known before joining the process group, so start-up checks can run first."""
+    if not launched_by_torchrun():
+        return 0, 1, 0
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def init_distributed(backend: str) -> Distributed:
     """Join torchrun's process group (if launched by it) and pick this rank's device.
 
     backend ``auto``: nccl for GPUs (with gloo alongside for CPU tensors, which async DCP
     saves need), gloo on CPU."""
     cuda = torch.cuda.is_available()
+    rank, world, local = process_layout()
     if not launched_by_torchrun():
         device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
         return Distributed(rank=0, world_size=1, local_rank=0, device=device, initialized=False)
-    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
     if backend == "nccl" and not cuda:
         raise RecipeError("torch.backend=nccl needs CUDA GPUs, and none is visible; use torch.backend=gloo or auto")
     use_cuda = cuda and backend != "gloo"
@@ -100,24 +108,27 @@ def init_distributed(backend: str) -> Distributed:
     return Distributed(rank=rank, world_size=world, local_rank=local, device=device, initialized=True)
 
 
+def check_parallel(section: TorchSection, world_size: int) -> None:
+    """Refuse a parallel mode the world size cannot run (before anything starts)."""
+    if section.parallel == "none" and world_size > 1:
+        raise RecipeError(
+            f"torch.parallel=none runs one process, but {world_size} were launched; "
+            "use torch.parallel=fsdp, hsdp or ddp, or launch a single process"
+        )
+    if section.parallel == "hsdp" and world_size % section.replicate:
+        raise RecipeError(
+            f"torch.replicate={section.replicate} does not divide the {world_size} ranks; "
+            f"choose a divisor of {world_size}"
+        )
+
+
 def build_mesh(d: Distributed, section: TorchSection) -> DeviceMesh | None:
     """The data-parallel mesh for ``section.parallel``; None for ``none`` or no process group."""
+    check_parallel(section, d.world_size)
     mode = section.parallel
-    if mode == "none":
-        if d.world_size > 1:
-            raise RecipeError(
-                f"torch.parallel=none runs one process, but {d.world_size} were launched; "
-                "use torch.parallel=fsdp, hsdp or ddp, or launch a single process"
-            )
-        return None
-    if not d.initialized:
+    if mode == "none" or not d.initialized:
         return None
     if mode == "hsdp":
-        if d.world_size % section.replicate:
-            raise RecipeError(
-                f"torch.replicate={section.replicate} does not divide the {d.world_size} ranks; "
-                f"choose a divisor of {d.world_size}"
-            )
         shape = (section.replicate, d.world_size // section.replicate)
         return init_device_mesh(d.device.type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
     return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("dp",))

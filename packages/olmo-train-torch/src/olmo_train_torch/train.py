@@ -55,7 +55,6 @@ from olmo_model.runlog import (
     training_meta,
 )
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
@@ -65,8 +64,11 @@ from .parallelize import (
     Distributed,
     autocast_context,
     build_mesh,
+    check_parallel,
     gradient_sync,
+    init_distributed,
     parallelize,
+    process_layout,
     unwrap,
 )
 
@@ -280,7 +282,6 @@ class Plan:
     mixture: Mixture
     sequence_length: int
     layout: BatchLayout
-    mesh: DeviceMesh | None  # None: one process, no wrapper
     total_steps: int
     loader: MixtureLoader
     resume: tuple[int, Path, dict[str, Any]] | None  # (step, checkpoint dir, meta)
@@ -294,7 +295,7 @@ def mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
     return Mixture(mixture.config.model_copy(update={"sequence_length": sequence_length}), mixture.path)
 
 
-def plan_run(recipe: Recipe, d: Distributed) -> Plan:
+def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
     """Check everything checkable without writing; raises RecipeError, SpecError, DataError,
     LeakageError or TrainingStateError with a one-line message."""
     spec = recipe.model_spec()
@@ -313,11 +314,11 @@ def plan_run(recipe: Recipe, d: Distributed) -> Plan:
         )
     assert_no_leakage(mixture, allow=recipe.data.allow_leakage)
     global_batch = recipe.global_batch_sequences(seq)
-    layout = batch_layout(global_batch, d.world_size, recipe.train.micro_batch_size)
-    mesh = build_mesh(d, recipe.torch)
+    layout = batch_layout(global_batch, world_size, recipe.train.micro_batch_size)
+    check_parallel(recipe.torch, world_size)
     total = recipe.total_steps()
     loader = MixtureLoader(
-        mixture, global_batch, dp_rank=d.rank, dp_size=d.world_size, prefetch=recipe.data.prefetch
+        mixture, global_batch, dp_rank=rank, dp_size=world_size, prefetch=recipe.data.prefetch
     )
     run_dir = recipe.resolved_run_dir()
     done = complete_checkpoints(run_dir)
@@ -342,7 +343,7 @@ def plan_run(recipe: Recipe, d: Distributed) -> Plan:
         resume = (step, ckpt, meta)
     elif recipe.init.checkpoint:
         check_init_source(recipe, spec)
-    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume)
+    return Plan(recipe, spec, mixture, seq, layout, total, loader, resume)
 
 
 def check_init_source(recipe: Recipe, spec: ModelSpec) -> None:
@@ -408,20 +409,23 @@ class Console:
             self.progress = None
 
 
-def train(recipe: Recipe, d: Distributed) -> Path:
-    """Run (or resume) the recipe's job on this process; returns the run dir."""
-    if d.is_main:
+def train(recipe: Recipe) -> Path:
+    """Run (or resume) the recipe's job on this process; returns the run dir. Every check
+    runs before this process joins the process group or writes anything."""
+    rank, world_size, _ = process_layout()
+    if rank == 0:
         print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
-    plan = plan_run(recipe, d)
+    plan = plan_run(recipe, rank, world_size)
     spec, layout, total, seq = plan.spec, plan.layout, plan.total_steps, plan.sequence_length
     run_dir = recipe.resolved_run_dir()
     start = plan.resume[0] if plan.resume else 0
     if start == total:
-        if d.is_main:
+        if rank == 0:
             print(f"{run_dir}: already complete (checkpoint at step {total} of {total}); nothing to do", flush=True)
         return run_dir
 
-    mesh = plan.mesh
+    d = init_distributed(recipe.torch.backend)
+    mesh = build_mesh(d, recipe.torch)
     console = Console(recipe.log.progress, d.is_main, total, start)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
     console.line(f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"

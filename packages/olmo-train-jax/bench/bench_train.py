@@ -1,0 +1,161 @@
+"""Train-step throughput on CPU: olmo-train-jax's jitted step vs transformers' Olmo3ForCausalLM
+with torch AdamW, side by side in one process, same shape, batch, loss and optimizer maths.
+
+    uv run --frozen python packages/olmo-train-jax/bench/bench_train.py
+    uv run --frozen python packages/olmo-train-jax/bench/bench_train.py --preset olmo3-30m --seq 512 --batch 8 --steps 4
+
+Each side: one untimed step (JAX compiles there), then the best and the mean of ``--steps``
+timed steps (forward, backward, global-norm clip, AdamW). MFU is each framework's model
+FLOP/s (olmo_model.flops_per_token, sliding-window aware) over the fp32 matmul peak measured
+in THAT framework on this machine (best of a few 2048 x 2048 matmuls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import time
+
+import numpy as np
+
+
+def bench_jax(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: np.ndarray) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from olmo_model.recipe import load_recipe
+    from olmo_train_jax import sharding
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.train import make_optimizer, make_step_functions, measure_cpu_matmul_peak
+
+    recipe = load_recipe(None, ["--train.precision=fp32"])
+    graphdef, state = nnx.split(build_model(spec, seed=0))
+    params = nnx.to_pure_dict(state)
+    mesh = sharding.make_mesh({"data": -1})
+    tx = make_optimizer(params, recipe)
+    params_sh = sharding.param_shardings(params, spec, mesh)
+    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
+    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
+    opt_state = jax.jit(tx.init)(params)
+    data = {"input_ids": ids[None], "labels": labels[None], "doc_ids": np.zeros_like(ids)[None]}
+    data = {k: jnp.asarray(v) for k, v in data.items()}
+    lr = np.float32(1e-3)
+
+    t0 = time.perf_counter()
+    params, opt_state, stats = fns.fused(params, opt_state, data, lr)
+    float(stats["loss"])
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        params, opt_state, stats = fns.fused(params, opt_state, data, lr)
+        float(stats["loss"])
+        times.append(time.perf_counter() - t0)
+    return {"first": first, "times": times, "peak": measure_cpu_matmul_peak(), "loss": float(stats["loss"])}
+
+
+def torch_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
+    import torch
+
+    a = torch.ones(size, size)
+    a @ a
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best
+
+
+def bench_transformers(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: np.ndarray) -> dict:
+    import torch
+    from olmo_model import hf_config
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).float().train()
+    decay = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "embed_tokens" in n]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True,
+    )
+    x, y = torch.from_numpy(ids).long(), torch.from_numpy(labels).long()
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=x).logits.float()
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        loss = ce + spec.z_loss_weight * (lse**2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return float(loss)
+
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - t0)
+    return {"first": first, "times": times, "peak": torch_matmul_peak(), "loss": loss}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="olmo3-30m")
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    import torch
+    from olmo_model import flops_per_token, get_preset
+    from rich.console import Console
+    from rich.table import Table
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    spec = get_preset(args.preset)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, spec.vocab_size, size=(args.batch, args.seq)).astype(np.int32)
+    labels = np.roll(ids, -1, axis=1)
+    labels[:, -1] = -100
+    tokens = args.batch * args.seq
+    fpt = flops_per_token(spec, args.seq)
+
+    results = {"olmo-train-jax (jit)": bench_jax(spec, args.seq, args.batch, args.steps, ids, labels)}
+    gc.collect()
+    results["transformers Olmo3ForCausalLM (eager)"] = bench_transformers(
+        spec, args.seq, args.batch, args.steps, ids, labels
+    )
+
+    window = spec.sliding_window if spec.sliding_window and spec.sliding_window < args.seq else "none (>= seq)"
+    table = Table(
+        title=f"{args.preset} train step, seq {args.seq}, batch {args.batch}, fp32, window {window}, "
+        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
+    )
+    for col in ("implementation", "first step s", "best step s", "mean step s", "tokens/s", "CPU-MFU", "ratio"):
+        table.add_column(col, justify="right" if col != "implementation" else "left")
+    base = None
+    rows = []
+    for name, r in results.items():
+        best = min(r["times"])
+        tps = tokens / best
+        rows.append((name, r, best, tps))
+    base = rows[-1][3]
+    for name, r, best, tps in rows:
+        mfu = fpt * tps / r["peak"]
+        table.add_row(
+            name, f"{r['first']:.2f}", f"{best:.2f}", f"{np.mean(r['times']):.2f}", f"{tps:,.0f}",
+            f"{mfu:.1%} of {r['peak'] / 1e9:.1f} GFLOP/s", f"{tps / base:.2f}x",
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
