@@ -230,3 +230,40 @@ def test_default_job_loss_falls(tmp_path):
     evals = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
     assert evals and all(np.isfinite(v["perplexity"]) for v in evals[-1]["eval"].values())
     assert json.loads((run_dir / "spec.json").read_text())["d_model"] == 128
+
+
+def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
+    import jax
+    from flax import nnx
+    from olmo_train_jax import sharding
+    from olmo_train_jax.checkpoint import abstract_like, restore_state
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.train import make_optimizer
+
+    run_dir = tmp_path / "guarded"
+    # A hair-trigger guard: after 2 accepted steps, anything above the running mean is a spike.
+    guard = ["--spike_guard.enabled=true", "--spike_guard.min_history=2", "--spike_guard.sigma=1e-6"]
+    steps = 8
+    args = [*BASE, f"--train.steps={steps}", f"--data.mixture={mixture}", f"--run_dir={run_dir}", *guard]
+    assert main(args) == 0
+    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    skipped = [r["step"] for r in train if r["skipped"]]
+    assert skipped and len(skipped) < steps
+    assert all(r["tokens_seen"] == r["step"] * 16 * 64 for r in train)  # a skipped batch is consumed
+
+    ckpt = run_dir / "checkpoints" / f"step_{steps:08d}"
+    meta = read_meta(ckpt)
+    assert len(meta["spike_guard"]["losses"]) == steps - len(skipped)
+    assert meta["loader_state"]["step"] == steps
+    recipe = load_recipe(run_dir / "recipe.yaml", [])
+    spec = recipe.model_spec()
+    params = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: build_model(spec)))[1])
+    mesh = sharding.make_mesh({"data": -1})
+    params_sh = sharding.param_shardings(params, spec, mesh)
+    tx = make_optimizer(params, recipe)
+    abstract_opt = jax.eval_shape(tx.init, params)
+    _, opt_state, step = restore_state(
+        ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, sharding.state_shardings(abstract_opt, params_sh, mesh))
+    )
+    assert step == steps
+    assert int(opt_state[0].count) == steps - len(skipped)  # Adam's step count saw only accepted steps

@@ -78,7 +78,7 @@ def _dense_block64(x, gate, wg, wu, wd, shared, moe: MoESpec):
     weighted by a [T, E] matrix that is zero off the chosen experts (no sorting, no groups)."""
     logits = x @ gate.T
     probs = torch.softmax(logits, -1) if moe.gating == "softmax" else torch.sigmoid(logits)
-    chosen = torch.sort(probs, -1, descending=True, stable=True).indices[:, : moe.top_k]
+    chosen = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, : moe.top_k]
     picked = probs.gather(1, chosen)
     if moe.normalize_top_k:
         picked = picked / picked.sum(-1, keepdim=True)
