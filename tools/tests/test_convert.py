@@ -269,3 +269,24 @@ def test_existing_destination_needs_overwrite_and_failed_write_keeps_it(hf_dir, 
 
     convert(f"hf:{hf_dir}", f"hf:{dst}", overwrite=True)
     assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_truncated_safetensors_is_refused(hf_dir, tmp_path):
+    src = tmp_path / "cut"
+    src.mkdir()
+    (src / "config.json").write_text((hf_dir / "config.json").read_text())
+    raw = (hf_dir / "model.safetensors").read_bytes()
+    (src / "model.safetensors").write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(CheckpointError, match=r"tensor '.+' has a byte range that does not fit its shape or the file"):
+        convert(f"hf:{src}", f"hf:{tmp_path / 'out'}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_jax_dir_whose_spec_json_does_not_fit_its_weights(hf_dir, tmp_path):
+    convert(f"hf:{hf_dir}", f"jax:{tmp_path / 'jax'}")
+    spec_file = tmp_path / "jax" / "spec.json"
+    spec = json.loads(spec_file.read_text())
+    spec_file.write_text(json.dumps({**spec, "mlp_hidden": 128}))
+    with pytest.raises(CheckpointError, match=r"parameter 'layers\.down_proj' has shape \(4, 192, 64\), spec .* expects \(4, 128, 64\)"):
+        convert(f"jax:{tmp_path / 'jax'}", f"hf:{tmp_path / 'out'}")
+    assert not (tmp_path / "out").exists()

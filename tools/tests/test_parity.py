@@ -65,6 +65,10 @@ def test_thresholds_set_the_exit_status(folders, capsys):
     # ... while thresholds they meet pass with the same numbers.
     code, again = _run(capsys, f"hf:{a}", f"hf:{b}", "--seq-len", "40", "--max-kl", "100", "--min-top1", "0")
     assert code == 0 and again["kl_mean"] == report["kl_mean"]
+    # Without --json: the table, with the verdict.
+    assert main(["logits", f"hf:{a}", f"hf:{b}", "--seq-len", "40", "--min-top1", "0.99"]) == 1
+    table = capsys.readouterr().out
+    assert "top-1 agreement" in table and "FAIL: top1_agreement" in table
     # Bad input: exit 2 with a one-line error naming the problem.
     assert main(["logits", f"hf:{a}", f"nope:{b}"]) == 2
     assert "expected KIND:PATH" in capsys.readouterr().err

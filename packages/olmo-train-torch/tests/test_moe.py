@@ -5,6 +5,7 @@ derived by hand (routing balance, MXFP8 error bounds)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -50,14 +51,19 @@ def _total_loss(model, spec, ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     return ce + spec.z_loss_weight * (lse**2).mean() + moe_aux_losses(stats).weighted(spec.moe)
 
 
-@pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
-@pytest.mark.parametrize("variant", ["tiny-moe", "sigmoid-norm-partial"])
-def test_logits_aux_and_loss_match_numpy_reference(variant, gemm):
+@functools.cache
+def _reference_run(variant: str):
     spec = _variant(variant)
     params = reference.init_params(spec, seed=3)
     ids, labels = _ids(1), _ids(2)
-    ref_logits, ref_aux = reference.forward_with_aux(spec, params, ids)
-    ref_loss = reference.loss(spec, params, ids, labels)
+    logits, aux = reference.forward_with_aux(spec, params, ids)
+    return spec, params, ids, labels, logits, aux, reference.loss(spec, params, ids, labels)
+
+
+@pytest.mark.parametrize("gemm", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("variant", ["tiny-moe", "sigmoid-norm-partial"])
+def test_logits_aux_and_loss_match_numpy_reference(variant, gemm):
+    spec, params, ids, labels, ref_logits, ref_aux, ref_loss = _reference_run(variant)
     model = model_from_hf(spec, params)
     configure_moe(model, gemm=gemm)
     with torch.no_grad():
@@ -117,7 +123,7 @@ def test_block_gradients_match_dense_float64(gemm):
     ((out64 * upstream.double()).sum() + 0.5 * lb64 + 0.25 * z64).backward()
 
     np.testing.assert_allclose(out.detach().numpy(), out64.detach().numpy(), atol=2e-5, rtol=0)
-    assert abs(float(aux.load_balancing) - float(lb64)) < 1e-6
+    assert abs(float(aux.load_balancing.detach()) - float(lb64.detach())) < 1e-6
     grads = {"x": (x32.grad, x64.grad)}
     grads |= {name: (p.grad, leaves[name].grad) for name, p in block.named_parameters()}
     for name, (got, want) in grads.items():
@@ -196,12 +202,12 @@ def _block(n_experts=16, top_k=4, seed=0) -> MoE:
 def test_random_routing_is_near_uniform_and_leaves_the_router_untrained():
     block = _block()
     block.routing = "random"
-    x = torch.randn(4096, 64)
+    x = torch.randn(2048, 64)
     out, stats = block(x)
     counts = stats.tokens_per_expert.double()
-    # 4096*4/16 = 1024 assignments per expert on average, binomial std ~ 30: max/mean ~ 1.07.
+    # 2048*4/16 = 512 assignments per expert on average, binomial std ~ 22: max/mean ~ 1.1.
     assert float(counts.max() / counts.mean()) < 1.2
-    assert int(counts.sum()) == 4096 * 4
+    assert int(counts.sum()) == 2048 * 4
     out.square().sum().backward()
     assert block.gate.weight.grad is None
     assert block.experts.gate_proj.grad is not None

@@ -72,14 +72,21 @@ def numpy_to_torch(a: np.ndarray) -> torch.Tensor:
 
 
 # ---- torch: --------------------------------------------------------------------------------
+def _local_names(spec: ModelSpec) -> dict[str, str]:
+    """Interchange name -> OlmoModel state-dict name, from olmo_train_torch's own adapter."""
+    from olmo_train_torch.hf_adapter import hf_to_local_names
+
+    if spec.moe is not None:
+        raise CheckpointError(f"spec '{spec.name}' is MoE; olmo-convert handles the dense Olmo3 layout only")
+    # The adapter pairs each name with an expert index, which dense parameters do not have.
+    return {hf: local for hf, (local, _) in hf_to_local_names(spec).items()}
+
+
 class TorchCheckpoint(Checkpoint):
     def __init__(self, path: Path, spec: str | ModelSpec | None = None):
-        from olmo_train_torch.hf_adapter import hf_to_local_names
-
         self.origin = f"torch:{path}"
         self.spec = resolve_spec(read_spec_file(path), spec, self.origin, SPEC_FILE)
-        local_of = hf_to_local_names(self.spec)
-        hf_of = {local: hf for hf, local in local_of.items()}
+        hf_of = {local: hf for hf, local in _local_names(self.spec).items()}
         self._dcp: DCPDir | None = None
         self._state = None
         if (path / DCP_METADATA).is_file():
@@ -109,9 +116,7 @@ class TorchCheckpoint(Checkpoint):
 
 def write_torch(dst: Path, ckpt: Checkpoint, dtype_of) -> None:
     """DCP checkpoint of the OlmoModel state dict + spec.json (DCP writes one dict: whole model in memory)."""
-    from olmo_train_torch.hf_adapter import hf_to_local_names
-
-    local_of = hf_to_local_names(ckpt.spec)
+    local_of = _local_names(ckpt.spec)
     state = {local_of[name]: ckpt.tensor(name).to(dtype_of(name)).contiguous() for name in hf_param_shapes(ckpt.spec)}
     save_dcp(dst, state)
     write_spec_file(dst, ckpt.spec)

@@ -4,6 +4,11 @@ HF stores one tensor per layer with torch.nn.Linear's (out, in) layout; ``OlmoMo
 layers on a leading axis and keeps (in, out) kernels. ``to_hf`` unstacks and transposes,
 ``load_hf`` checks every name and shape against ``olmo_model.hf_param_shapes(spec)`` before
 it changes anything, then stacks and transposes back.
+
+MoE layers use the per-expert names of ``hf_param_shapes`` (``mlp.gate.weight`` the router,
+``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.{s}...``): routed expert
+e is slice e of the stacked expert axis; the shared experts are stored concatenated along
+their hidden axis, so shared expert s is hidden columns [s*h, (s+1)*h) (rows for down_proj).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ _LAYER: dict[str, tuple[str, bool]] = {
     "post_feedforward_layernorm.weight": ("post_feedforward_norm", False),
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT_NAME = re.compile(r"mlp\.(experts|shared_experts)\.(\d+)\.(gate|up|down)_proj\.weight")
 _VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -47,31 +53,48 @@ class CheckpointMismatchError(ValueError):
     """HF tensors that do not fit the spec; the message names the tensor and the fix."""
 
 
-def _check_dense(spec: ModelSpec) -> None:
-    if spec.moe is not None:
-        raise NotImplementedError("hf_adapter: MoE checkpoints (OLMoE layout) are issue 8; use a dense spec")
+def _slot(spec: ModelSpec, name: str) -> tuple[str | None, str, int | None, tuple, bool]:
+    """Where HF tensor ``name`` lives: (StackedLayers attribute or None for a top-level one,
+    attribute name, layer index, index into that layer's array, transposed)."""
+    if name in _TOP:
+        attr, transposed = _TOP[name]
+        return None, attr, None, (), transposed
+    match = _LAYER_NAME.fullmatch(name)
+    assert match is not None, name  # hf_param_shapes only yields top-level and layer names
+    layer, suffix = int(match[1]), match[2]
+    if suffix in _LAYER:
+        attr, transposed = _LAYER[suffix]
+        return "layers", attr, layer, (), transposed
+    if suffix == "mlp.gate.weight":
+        return "layers", "router", layer, (), True
+    expert = _EXPERT_NAME.fullmatch(suffix)
+    assert expert is not None and spec.moe is not None, name
+    kind, e, proj = expert[1], int(expert[2]), expert[3]
+    if kind == "experts":
+        return "layers", f"expert_{proj}_proj", layer, (e,), True
+    h = spec.moe.shared_hidden
+    cols = slice(e * h, (e + 1) * h)
+    index = (cols, slice(None)) if proj == "down" else (slice(None), cols)
+    return "layers", f"shared_{proj}_proj", layer, index, True
 
 
 def to_hf(model: OlmoModel, spec: ModelSpec) -> dict[str, np.ndarray]:
-    """All weights under transformers' Olmo3ForCausalLM names, linears as (out, in), in param dtype."""
-    _check_dense(spec)
+    """All weights under transformers' Olmo3ForCausalLM names (MoE layers: the per-expert names
+    of ``hf_param_shapes``), linears as (out, in), in param dtype."""
+    host: dict[str, np.ndarray] = {}
     out: dict[str, np.ndarray] = {}
     for name in hf_param_shapes(spec):
-        if name in _TOP:
-            attr, transposed = _TOP[name]
-            value = np.asarray(jax.device_get(getattr(model, attr)[...]))
-        else:
-            match = _LAYER_NAME.fullmatch(name)
-            assert match is not None, name  # hf_param_shapes only yields top-level and layer names
-            attr, transposed = _LAYER[match[2]]
-            value = np.asarray(jax.device_get(getattr(model.layers, attr)[int(match[1])]))
+        owner, attr, layer, index, transposed = _slot(spec, name)
+        if attr not in host:
+            holder = model if owner is None else getattr(model, owner)
+            host[attr] = np.asarray(jax.device_get(getattr(holder, attr)[...]))
+        value = host[attr] if layer is None else host[attr][layer][index]
         out[name] = np.array(value.T if transposed else value, order="C")  # an owned, writable copy
     return out
 
 
 def validate_hf(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
     """Raise CheckpointMismatchError on the first unexpected, missing, wrong-vocab or wrong-shape tensor."""
-    _check_dense(spec)
     expected = hf_param_shapes(spec)
     unexpected = [name for name in tensors if name not in expected]
     if unexpected:
@@ -115,20 +138,22 @@ def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray]) -> None:
     spec = model.spec
     validate_hf(spec, tensors)
     dtype = model.param_dtype
-
-    def as_param(value, transposed: bool) -> np.ndarray:
-        value = np.asarray(value)
-        return value.T if transposed else value
-
-    for name, (attr, transposed) in _TOP.items():
-        getattr(model, attr).set_value(jnp.asarray(as_param(tensors[name], transposed), dtype))
-    for suffix, (attr, transposed) in _LAYER.items():
-        if not hasattr(model.layers, attr):  # q_norm / k_norm are absent with qk_norm="none"
-            continue
-        stacked = np.stack(
-            [as_param(tensors[f"model.layers.{i}.{suffix}"], transposed) for i in range(spec.n_layers)]
-        )
-        getattr(model.layers, attr).set_value(jnp.asarray(stacked, dtype))
+    buffers: dict[tuple[str | None, str], np.ndarray] = {}
+    for name in hf_param_shapes(spec):
+        owner, attr, layer, index, transposed = _slot(spec, name)
+        holder = model if owner is None else getattr(model, owner)
+        if (owner, attr) not in buffers:
+            param = getattr(holder, attr)
+            buffers[(owner, attr)] = np.zeros(param.shape, np.dtype(dtype))
+        value = np.asarray(tensors[name])
+        value = value.T if transposed else value
+        if layer is None:
+            buffers[(owner, attr)][...] = value
+        else:
+            buffers[(owner, attr)][layer][index] = value
+    for (owner, attr), value in buffers.items():
+        holder = model if owner is None else getattr(model, owner)
+        getattr(holder, attr).set_value(jnp.asarray(value, dtype))
 
 
 def model_from_hf(

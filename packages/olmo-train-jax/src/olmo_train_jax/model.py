@@ -10,7 +10,9 @@ Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
   them; YaRN (with its attention factor on cos/sin) on full_attention layers only;
 - GQA; attention through ``jax.nn.dot_product_attention`` with a boolean mask that holds the
   causal band, the sliding window of that layer and, optionally, document boundaries;
-- SwiGLU MLP; no biases anywhere.
+- SwiGLU MLP, or a mixture-of-experts block (``moe.py``: router, top-k, routed SwiGLU
+  experts as grouped ``ragged_dot`` matmuls, shared experts) when the spec has ``moe``;
+  no biases anywhere.
 
 Parameter layout: the per-layer weights are STACKED along a leading ``n_layers`` axis
 (``model.layers.q_proj`` is [n_layers, d_model, q_width]) and the block runs under
@@ -36,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from olmo_model import FULL, ModelSpec, YarnSpec
+
+from .moe import ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
 # block in the backward pass; "save_dots": also keep the weight-matmul outputs, recomputing
@@ -128,9 +132,23 @@ class StackedLayers(nnx.Module):
             self.q_norm = _ones((L, spec.head_dim), param_dtype)
             self.k_norm = _ones((L, spec.head_dim), param_dtype)
         self.post_attention_norm = _ones((L, d), param_dtype)
-        self.gate_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
-        self.up_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
-        self.down_proj = _truncated_normal(rngs, (L, h, d), spec, param_dtype)
+        if spec.moe is None:
+            self.gate_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
+            self.up_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
+            self.down_proj = _truncated_normal(rngs, (L, h, d), spec, param_dtype)
+        else:
+            moe = spec.moe
+            E, eh = moe.n_experts, moe.expert_hidden
+            self.router = _truncated_normal(rngs, (L, d, E), spec, param_dtype)
+            self.expert_gate_proj = _truncated_normal(rngs, (L, E, d, eh), spec, param_dtype)
+            self.expert_up_proj = _truncated_normal(rngs, (L, E, d, eh), spec, param_dtype)
+            self.expert_down_proj = _truncated_normal(rngs, (L, E, eh, d), spec, param_dtype)
+            if moe.n_shared_experts:
+                # All shared experts as one SwiGLU of hidden S*shared_hidden: the same sum.
+                sh = moe.n_shared_experts * moe.shared_hidden
+                self.shared_gate_proj = _truncated_normal(rngs, (L, d, sh), spec, param_dtype)
+                self.shared_up_proj = _truncated_normal(rngs, (L, d, sh), spec, param_dtype)
+                self.shared_down_proj = _truncated_normal(rngs, (L, sh, d), spec, param_dtype)
         self.post_feedforward_norm = _ones((L, d), param_dtype)
 
     def arrays(self) -> dict[str, jax.Array]:
@@ -139,7 +157,12 @@ class StackedLayers(nnx.Module):
 
 
 class OlmoModel(nnx.Module):
-    """Olmo 3 decoder: ``model(input_ids [B, S] int32, doc_ids=None) -> logits [B, S, padded_vocab]``."""
+    """Olmo 3 decoder: ``model(input_ids [B, S] int32, doc_ids=None) -> logits [B, S, padded_vocab]``;
+    ``model.forward_with_aux(...)`` also returns the MoE routing statistics.
+
+    ``experts_fn`` computes the routed experts of MoE layers (``moe.ExpertsFn``); the
+    default keeps all experts local, ``expert_parallel.apply_expert_parallel`` swaps in the
+    all-to-all version from outside."""
 
     def __init__(
         self,
@@ -150,10 +173,11 @@ class OlmoModel(nnx.Module):
         dtype=jnp.float32,
         remat: str = "none",
     ):
-        if spec.moe is not None:
+        if spec.moe is not None and not all(spec.is_moe_layer(i) for i in range(spec.n_layers)):
+            # One scanned block means one parameter layout for every layer.
             raise NotImplementedError(
-                f"spec '{spec.name}' has moe set; MoE blocks in the JAX model are issue 8, "
-                "use a dense spec (moe: null) for now"
+                f"spec '{spec.name}': moe.layers={list(spec.moe.layers or [])} mixes dense and MoE layers, "
+                "which the stacked (scanned) JAX layers cannot hold; set moe.layers to null (every layer MoE)"
             )
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat='{remat}' is unknown; use one of: {', '.join(REMAT_POLICIES)}")
@@ -161,6 +185,7 @@ class OlmoModel(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.dtype = jnp.dtype(dtype)
         self.remat = remat
+        self.experts_fn: ExpertsFn = local_experts
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
         self.layers = StackedLayers(spec, rngs, param_dtype)
@@ -170,6 +195,20 @@ class OlmoModel(nnx.Module):
     def __call__(self, input_ids: jax.Array, doc_ids: jax.Array | None = None) -> jax.Array:
         """Logits (float32) for every position. ``doc_ids`` [B, S]: a query attends only to keys
         of its own document; positions are not reset, as RoPE scores depend only on distance."""
+        return self.forward_with_aux(input_ids, doc_ids)[0]
+
+    def forward_with_aux(
+        self,
+        input_ids: jax.Array,
+        doc_ids: jax.Array | None = None,
+        *,
+        routing: str = "learned",
+        routing_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoEStats | None]:
+        """(logits, MoE stats over the MoE layers: losses averaged, counts summed; None for a
+        dense spec). ``routing`` is learned/random/uniform (``moe.route``); random routing
+        needs ``routing_key``, e.g. ``jax.random.fold_in(jax.random.key(seed), step)``; each
+        layer folds in its index."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
@@ -177,11 +216,11 @@ class OlmoModel(nnx.Module):
         # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run
         # float32 matmuls with bf16/tf32 passes); this is the parity mode.
         if self.dtype != jnp.float32:
-            return self._forward(input_ids, doc_ids)
+            return self._forward(input_ids, doc_ids, routing, routing_key)
         with jax.default_matmul_precision("highest"):
-            return self._forward(input_ids, doc_ids)
+            return self._forward(input_ids, doc_ids, routing, routing_key)
 
-    def _forward(self, input_ids: jax.Array, doc_ids: jax.Array | None) -> jax.Array:
+    def _forward(self, input_ids, doc_ids, routing, routing_key):
         spec, dtype = self.spec, self.dtype
         seq_len = input_ids.shape[1]
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
@@ -198,23 +237,34 @@ class OlmoModel(nnx.Module):
 
         windows = jnp.asarray([spec.window_of(i) or _NO_WINDOW for i in range(spec.n_layers)], jnp.int32)
         is_full = jnp.asarray([kind == FULL for kind in spec.layer_types])
+        layer_index = jnp.arange(spec.n_layers, dtype=jnp.int32)
 
         def block(h, layer):
-            weights, window, full_layer = layer
+            weights, window, full_layer, index = layer
             cos = jnp.where(full_layer, full[0], sliding[0])
             sin = jnp.where(full_layer, full[1], sliding[1])
             mask = allowed & (distance < window)[None, None]
-            return self._block(h, weights, cos, sin, mask), None
+            key = None if routing_key is None else jax.random.fold_in(routing_key, index)
+            return self._block(h, weights, cos, sin, mask, routing, key)
 
         if REMAT_POLICIES[self.remat] is not None:
             block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, _ = jax.lax.scan(block, x, (self.layers.arrays(), windows, is_full))
+        x, per_layer = jax.lax.scan(block, x, (self.layers.arrays(), windows, is_full, layer_index))
 
         x = rms_norm(x, self.final_norm[...], spec.norm_eps)
         head = self.lm_head[...].astype(dtype)
-        return jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
+        if per_layer is None:
+            return logits, None
+        stats = MoEStats(
+            load_balancing=jnp.mean(per_layer.load_balancing),
+            router_z=jnp.mean(per_layer.router_z),
+            tokens_per_expert=jnp.sum(per_layer.tokens_per_expert, axis=0),
+            dropped=jnp.sum(per_layer.dropped),
+        )
+        return logits, stats
 
-    def _block(self, x, w, cos, sin, mask):
+    def _block(self, x, w, cos, sin, mask, routing, key):
         spec, dtype = self.spec, self.dtype
         B, S, _ = x.shape
         eps = spec.norm_eps
@@ -235,8 +285,18 @@ class OlmoModel(nnx.Module):
         attn = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=None)
         h = x + rms_norm(proj(attn.reshape(B, S, spec.q_width), "o_proj"), w["post_attention_norm"], eps)
 
-        mlp = proj(jax.nn.silu(proj(h, "gate_proj")) * proj(h, "up_proj"), "down_proj")
-        return h + rms_norm(mlp, w["post_feedforward_norm"], eps)
+        if spec.moe is None:
+            mlp = proj(jax.nn.silu(proj(h, "gate_proj")) * proj(h, "up_proj"), "down_proj")
+            return h + rms_norm(mlp, w["post_feedforward_norm"], eps), None
+        routed = ExpertWeights(w["expert_gate_proj"], w["expert_up_proj"], w["expert_down_proj"])
+        shared = None
+        if spec.moe.n_shared_experts:
+            shared = ExpertWeights(w["shared_gate_proj"], w["shared_up_proj"], w["shared_down_proj"])
+        tokens = h.reshape(B * S, spec.d_model)
+        mlp, stats = moe_block(
+            tokens, w["router"], routed, shared, spec.moe, routing=routing, key=key, experts_fn=self.experts_fn
+        )
+        return h + rms_norm(mlp.reshape(B, S, spec.d_model), w["post_feedforward_norm"], eps), stats
 
 
 def build_model(

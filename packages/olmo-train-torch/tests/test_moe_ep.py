@@ -1,0 +1,169 @@
+"""Expert parallelism over 4 gloo processes (CPU, float32) against the same computation in
+one process: the MoE block's outputs, aux losses, gradients and real per-rank load, and 20
+AdamW steps of the tiny-moe model, whose losses must follow the EP=1 run within 1e-5."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from olmo_model import MoESpec, get_preset
+from olmo_train_torch.expert_parallel import apply_expert_parallel, expert_parameters, reduce_gradients
+from olmo_train_torch.model import build_model
+from olmo_train_torch.moe import MoE, moe_aux_losses, rank_load_max_over_mean
+
+EP = 4
+STEPS = 20
+ROWS, SEQ = 8, 32  # global batch of the training check: 2 sequences per rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn) -> None:
+    # fork: the workers inherit the imported modules (a spawned child would re-import
+    # torch and this test module by name, slow on a shared machine).
+    mp.start_processes(fn, args=(_free_port(),), nprocs=EP, join=True, start_method="fork")
+
+
+def _init(rank: int, port: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP)
+
+
+# ---- the block ---------------------------------------------------------------------------------
+
+def _block_worker(rank: int, port: int) -> None:
+    _init(rank, port)
+    try:
+        for imbalanced in (False, True):
+            _check_block(rank, imbalanced)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_block(rank: int, imbalanced: bool) -> None:
+    torch.manual_seed(0)
+    spec = MoESpec(n_experts=16, top_k=4, expert_hidden=32, n_shared_experts=1)
+    full = MoE(spec, 64, layer=0)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.1)
+    x = torch.randn(EP * 24, 64)
+    if imbalanced:
+        direction = torch.nn.functional.normalize(torch.randn(64), dim=0)
+        with torch.no_grad():
+            full.gate.weight[:4] += 4.0 * direction  # experts 0-3 live on rank 0
+        x = 3.0 * direction + 0.3 * x
+    upstream = torch.randn(EP * 24, 64)
+    ep_block = copy.deepcopy(full)
+
+    ref_out, ref_stats = full(x)
+    ref_aux = moe_aux_losses([ref_stats])
+    ((ref_out * upstream).sum() + 0.5 * ref_aux.load_balancing + 0.25 * ref_aux.router_z).backward()
+
+    apply_expert_parallel(ep_block, dist.group.WORLD)
+    rows = slice(rank * 24, (rank + 1) * 24)
+    out, stats = ep_block(x[rows])
+    aux = moe_aux_losses([stats], group=dist.group.WORLD)
+    ((out * upstream[rows]).sum() + 0.5 * aux.load_balancing + 0.25 * aux.router_z).backward()
+    reduce_gradients(ep_block, dist.group.WORLD)
+
+    torch.testing.assert_close(out, ref_out[rows], atol=1e-5, rtol=0)
+    torch.testing.assert_close(aux.load_balancing, ref_aux.load_balancing, atol=1e-6, rtol=0)
+    torch.testing.assert_close(aux.router_z, ref_aux.router_z, atol=1e-6, rtol=0)
+    assert torch.equal(aux.tokens_per_expert, ref_aux.tokens_per_expert)
+    local = slice(rank * 4, (rank + 1) * 4)
+    ref_params = dict(full.named_parameters())
+    for name, p in ep_block.named_parameters():
+        want = ref_params[name].grad
+        if p in expert_parameters(ep_block):
+            want = want[local]
+        torch.testing.assert_close(p.grad, want, atol=2e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+    # The real load each rank computed equals the metric derived from the global counts.
+    received = torch.tensor([ep_block.dispatcher.last_received])
+    loads = [torch.zeros(1, dtype=received.dtype) for _ in range(EP)]
+    dist.all_gather(loads, received)
+    loads = torch.cat(loads)
+    assert loads.tolist() == ref_aux.tokens_per_expert.reshape(EP, 4).sum(1).tolist()
+    assert int(loads.sum()) == EP * 24 * 4  # dropless
+    ratio = rank_load_max_over_mean(aux.tokens_per_expert, EP)
+    assert abs(ratio - float(loads.max()) / float(loads.double().mean())) < 1e-12
+    if imbalanced:
+        assert ratio == 4.0 and loads.tolist()[1:] == [0, 0, 0]
+    else:
+        assert ratio < 1.5
+
+
+def test_expert_parallel_block_matches_one_process():
+    _spawn(_block_worker)
+
+
+# ---- 20 training steps -------------------------------------------------------------------------
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = np.random.default_rng(1000 + step)
+    ids = rng.integers(0, 4096, (ROWS, SEQ + 1))
+    return torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:])
+
+
+def _train(model, group, rank: int, world: int) -> list[float]:
+    """AdamW steps where each rank's loss is its share of the global loss and gradients
+    are summed over ranks (expert_parallel's convention); returns the global losses."""
+    spec = model.spec
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    per = ROWS // world
+    n_global = ROWS * SEQ
+    losses = []
+    for step in range(STEPS):
+        ids, labels = _batch(step)
+        ids, labels = ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per]
+        logits, stats = model(ids, return_moe_stats=True)
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        lse = torch.logsumexp(flat, -1)
+        ce_sum = F.cross_entropy(flat, labels.reshape(-1), reduction="sum")
+        z_sum = (lse * lse).sum()
+        aux = moe_aux_losses(stats, group=group).weighted(spec.moe)
+        (ce_sum / n_global + spec.z_loss_weight * z_sum / n_global + aux).backward()
+        if group is not None:
+            reduce_gradients(model, group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums = torch.stack([ce_sum.detach(), z_sum.detach()])
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        losses.append(float(sums[0] / n_global + spec.z_loss_weight * sums[1] / n_global + aux.detach()))
+    return losses
+
+
+def _train_worker(rank: int, port: int) -> None:
+    _init(rank, port)
+    try:
+        spec = get_preset("tiny-moe")
+        model = build_model(spec, seed=0)
+        reference = copy.deepcopy(model)
+        apply_expert_parallel(model, dist.group.WORLD)
+        ep_losses = _train(model, dist.group.WORLD, rank, EP)
+        if rank == 0:
+            one_losses = _train(reference, None, 0, 1)
+            diffs = np.abs(np.array(ep_losses) - np.array(one_losses))
+            assert one_losses[-1] < one_losses[0] - 0.5, f"the run does not learn: {one_losses}"
+            assert diffs.max() < 1e-5, f"EP=4 departs from EP=1 by {diffs.max():.2e}: {ep_losses} vs {one_losses}"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_training_follows_one_process_for_20_steps():
+    _spawn(_train_worker)
