@@ -267,3 +267,35 @@ def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
     )
     assert step == steps
     assert int(opt_state[0].count) == steps - len(skipped)  # Adam's step count saw only accepted steps
+
+
+def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
+    """init.checkpoint=hf:DIR loads the weights, and the logged step-1 loss equals CE + z-loss
+    computed by transformers' Olmo3ForCausalLM on the loader's first global batch."""
+    import torch
+    from olmo_model import get_preset, hf_config
+    from olmo_train_jax.hf_adapter import to_hf
+    from olmo_train_jax.model import build_model
+    from safetensors.numpy import save_file
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    spec = get_preset("tiny")
+    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in to_hf(build_model(spec, seed=5), spec).items()}
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    save_file(tensors, hf_dir / "model.safetensors")
+    run_dir = tmp_path / "from-hf"
+    assert main([*BASE, "--train.steps=1", f"--init.checkpoint=hf:{hf_dir}", f"--data.mixture={mixture}",
+                 f"--run_dir={run_dir}"]) == 0
+
+    reference = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).double().eval()
+    reference.load_state_dict({k: torch.from_numpy(v).double() for k, v in tensors.items()}, strict=True)
+    batch = MixtureLoader(load_mixture(mixture), 16, prefetch=0).batch_at(0)
+    with torch.no_grad():
+        logits = reference(input_ids=torch.from_numpy(batch["input_ids"]).long()).logits
+    labels = torch.from_numpy(batch["labels"]).long()
+    valid = labels != -100
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    z = (torch.logsumexp(logits, dim=-1) ** 2)[valid].sum()
+    want = float((ce + spec.z_loss_weight * z) / valid.sum())
+    assert abs(train_losses(run_dir)[1] - want) <= 1e-5, (train_losses(run_dir)[1], want)

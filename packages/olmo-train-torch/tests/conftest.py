@@ -1,5 +1,6 @@
-"""Shared fixtures: a tiny mixture of numpy token files and helpers that run the real
-trainer entry point (one process, or torchrun with gloo) in a subprocess."""
+"""Shared fixtures: a tiny mixture of numpy token files, and ``harness`` with helpers that
+run the real trainer entry point (one process, or torchrun with gloo) in a subprocess
+(pytest runs with --import-mode=importlib, so tests reach these through a fixture)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,36 @@ def run_trainer(args: list[str], nproc: int = 1, env: dict[str, str] | None = No
 def train_lines(run_dir: Path) -> list[dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     return [r for r in lines if r["kind"] == "train"]
+
+
+def common_args(mixture: Path, run_dir: Path, *extra: str) -> list[str]:
+    """20 steps, a checkpoint at 10 and 20, held-out evaluation at the end only."""
+    return [
+        f"--data.mixture={mixture}", f"--run_dir={run_dir}", "--train.steps=20", "--checkpoint.every=10",
+        "--eval.every=1000", *BASE_ARGS, *extra,
+    ]
+
+
+def check_ok(result) -> None:
+    assert result.returncode == 0, f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="session")
+def one_process_run(mixture, tmp_path_factory) -> Path:
+    """The uninterrupted 20-step single-process run several tests compare against."""
+    run_dir = tmp_path_factory.mktemp("ref") / "one"
+    check_ok(run_trainer(common_args(mixture, run_dir)))
+    return run_dir
+
+
+class Harness:
+    make_mixture = staticmethod(make_mixture)
+    run = staticmethod(run_trainer)
+    args = staticmethod(common_args)
+    check_ok = staticmethod(check_ok)
+    train_lines = staticmethod(train_lines)
+
+
+@pytest.fixture(scope="session")
+def harness() -> type[Harness]:
+    return Harness

@@ -28,6 +28,16 @@ from olmo_train_torch.moe import (
 SEQ = 48  # longer than tiny's window of 32: sliding and global layers both matter
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these tensors are tiny, and on a shared CPU a thread pool
+    spends far more time waiting for cores than computing (measured 30x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _variant(name: str):
     spec = get_preset("tiny-moe")
     if name == "sigmoid-norm-partial":

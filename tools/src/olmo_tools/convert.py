@@ -3,7 +3,8 @@
     uv run --frozen olmo-convert SRC DST [--dtype float32|bfloat16] [--spec PRESET_OR_FILE] [--overwrite]
 
 SRC and DST are ``hf:DIR``, ``olmo-core:PATH`` (.pt file or DCP dir), ``torch:DIR`` or
-``jax:DIR`` (formats in tools/README.md). For example:
+``jax:DIR`` (formats in tools/README.md); ``torch-run:RUN_OR_CHECKPOINT`` and ``jax-run:DIR``
+convert a whole training state between the trainers (olmo_tools.train_state). For example:
 
     uv run --frozen olmo-convert olmo-core:step1000/model.pt hf:out/olmo3-1b --spec olmo3-1b --dtype bfloat16
     uv run --frozen olmo-convert hf:out/olmo3-1b jax:out/olmo3-1b-jax
@@ -48,7 +49,14 @@ def convert(
     max_shard_bytes: int = 5 * 2**30,
 ) -> ModelSpec:
     """Convert SRC to DST (``KIND:PATH`` strings); ``dtype`` None keeps each tensor's stored dtype.
-    Returns the spec of the converted model; raises CheckpointError on any bad input."""
+    Returns the spec of the converted model; raises CheckpointError on any bad input.
+    ``torch-run:``/``jax-run:`` on both sides convert a whole training state (train_state.py)."""
+    from .train_state import convert_training_state, is_run_location
+
+    if is_run_location(src) or is_run_location(dst):
+        if dtype is not None:
+            raise CheckpointError("--dtype does not apply to a training state: it stays float32 (master weights)")
+        return convert_training_state(src, dst, overwrite=overwrite)
     src_loc, dst_loc = parse_location(src), parse_location(dst)
     if src_loc.path.absolute() == dst_loc.path.absolute():
         raise CheckpointError(f"{dst}: destination is the source; write to another path")
@@ -84,8 +92,8 @@ def _size_of(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="olmo-convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="hf:DIR | olmo-core:PATH | torch:DIR | jax:DIR")
-    parser.add_argument("dst", help="hf:DIR | olmo-core:PATH (.pt file, else a DCP dir) | torch:DIR | jax:DIR")
+    parser.add_argument("src", help="hf:DIR | olmo-core:PATH | torch:DIR | jax:DIR | torch-run:RUN | jax-run:RUN")
+    parser.add_argument("dst", help="hf:DIR | olmo-core:PATH (.pt file, else a DCP dir) | torch:DIR | jax:DIR | torch-run:DIR | jax-run:DIR")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast every tensor (default: keep the stored dtype)")
     parser.add_argument("--spec", help="preset name or spec file; required for olmo-core sources, else checked")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, SpecError) as err:
         print(f"olmo-convert: error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2
-    dst = parse_location(args.dst).path
+    dst = Path(args.dst.partition(":")[2])
     table = Table(title="olmo-convert", show_header=False)
     table.add_row("source", args.src)
     table.add_row("destination", args.dst)

@@ -13,6 +13,9 @@ sequences at a time, so B x S x V never has to fit at once. Exit status: 0 when 
 threshold holds, 1 when --max-kl or --min-top1 is violated, 2 on bad input. E.g.
 
     uv run --frozen olmo-parity logits torch:ckpt/t hf-ref:out/hf --seq-len 256 --max-kl 1e-9 --min-top1 1.0
+
+``olmo-parity train`` runs both trainers on one recipe and compares their training curves
+(olmo_tools.train_parity).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .formats import DTYPES, KINDS, CheckpointError, HFCheckpoint, open_checkpoint, parse_location, spec_disagreement, validate
+from .train_parity import add_train_command
 
 PARITY_KINDS = (*KINDS, "hf-ref")
 DEFAULT_IMPL = {"hf": "torch", "olmo-core": "torch", "torch": "torch", "jax": "jax", "hf-ref": "transformers"}
@@ -238,11 +242,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmo-parity", description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_logits_command(subparsers)
+    add_train_command(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Only `train` takes extra --section.key=value arguments (recipe overrides).
+    args, overrides = parser.parse_known_args(argv)
+    if overrides and not getattr(args, "accepts_overrides", False):
+        parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+    args.overrides = overrides
     try:
         return args.func(args)
     except (CheckpointError, SpecError) as err:

@@ -39,7 +39,7 @@ import numpy as np
 from flax import nnx
 from olmo_model import FULL, ModelSpec, YarnSpec
 
-from .moe import ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
+from .moe import ROUTING_MODES, ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
 # block in the backward pass; "save_dots": also keep the weight-matmul outputs, recomputing
@@ -213,6 +213,10 @@ class OlmoModel(nnx.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids shape {doc_ids.shape} differs from input_ids shape {input_ids.shape}")
+        if routing not in ROUTING_MODES:
+            raise ValueError(f"routing='{routing}' is unknown; use one of: {', '.join(ROUTING_MODES)}")
+        if routing == "random" and routing_key is None:
+            raise ValueError("routing='random' needs routing_key, e.g. jax.random.fold_in(jax.random.key(seed), step)")
         # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run
         # float32 matmuls with bf16/tf32 passes); this is the parity mode.
         if self.dtype != jnp.float32:

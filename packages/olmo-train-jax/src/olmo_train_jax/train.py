@@ -67,7 +67,7 @@ from olmo_model.runlog import (
 
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
-from .hf_adapter import model_from_hf
+from .hf_adapter import model_from_hf, validate_hf
 from .model import build_model
 
 FRAMEWORK = "jax"
@@ -249,6 +249,7 @@ class Plan:
     total_steps: int
     loader: MixtureLoader
     resume: tuple[int, Path, dict] | None  # (step, checkpoint dir, meta)
+    init_tensors: dict[str, np.ndarray] | None  # HF weights of init.checkpoint=hf:DIR, validated
 
 
 def _mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
@@ -281,7 +282,7 @@ def plan_run(recipe: Recipe) -> Plan:
 
     run_dir = recipe.resolved_run_dir()
     done = complete_checkpoints(run_dir)
-    resume = None
+    resume, init_tensors = None, None
     if done and not recipe.checkpoint.resume:
         raise TrainingStateError(
             f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
@@ -299,11 +300,12 @@ def plan_run(recipe: Recipe) -> Plan:
             )
         resume = (step, ckpt, meta)
     elif recipe.init.checkpoint:
-        _check_init_source(recipe, spec)
-    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume)
+        init_tensors = _check_init_source(recipe, spec)
+    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume, init_tensors)
 
 
-def _check_init_source(recipe: Recipe, spec: ModelSpec) -> None:
+def _check_init_source(recipe: Recipe, spec: ModelSpec) -> dict[str, np.ndarray] | None:
+    """Validate init.checkpoint; for hf:DIR return its tensors (checked against the spec)."""
     source = recipe.init.checkpoint
     assert source is not None
     if source.startswith("hf:"):
@@ -312,9 +314,16 @@ def _check_init_source(recipe: Recipe, spec: ModelSpec) -> None:
             raise TrainingStateError(
                 f"init.checkpoint={source}: {path} holds no *.safetensors; point it at an HF model folder"
             )
-        return
+        if recipe.init.load_optimizer:
+            raise RecipeError(
+                f"init.load_optimizer=true but init.checkpoint={source} holds weights only; set it to false"
+            )
+        tensors = _read_safetensors(path)
+        validate_hf(spec, tensors)
+        return tensors
     ckpt = Path(source)
     check_meta_fits(read_meta(ckpt), ckpt, spec, FRAMEWORK)
+    return None
 
 
 def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -428,7 +437,7 @@ def train(recipe: Recipe) -> Path:
             flush=True,
         )
     else:
-        params = _initial_params(recipe, spec, make_model, abstract_params, params_sh)
+        params = _initial_params(plan, make_model, abstract_params, params_sh)
         opt_state = init_opt(params)
         if recipe.init.checkpoint and recipe.init.load_optimizer and not recipe.init.checkpoint.startswith("hf:"):
             _, opt_state, _ = restore_state(
@@ -531,13 +540,14 @@ def train(recipe: Recipe) -> Path:
     return run_dir
 
 
-def _initial_params(recipe: Recipe, spec: ModelSpec, make_model, abstract_params: dict, params_sh: Any) -> dict:
+def _initial_params(plan: Plan, make_model, abstract_params: dict, params_sh: Any) -> dict:
     """Fresh weights from recipe.train.seed, or the weights of init.checkpoint (ours or hf:DIR)."""
-    source = recipe.init.checkpoint
+    source = plan.recipe.init.checkpoint
     if source is None:
         return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)()
-    if source.startswith("hf:"):
-        model = model_from_hf(spec, _read_safetensors(Path(source.removeprefix("hf:"))))
+    print(f"initial weights from {source}", flush=True)
+    if plan.init_tensors is not None:
+        model = model_from_hf(plan.spec, plan.init_tensors)
         pure = nnx.to_pure_dict(nnx.split(model)[1])
         return jax.tree.map(lambda x, s: jax.device_put(x, s), pure, params_sh)
     params, _, _ = restore_state(Path(source), abstract_like(abstract_params, params_sh), None)

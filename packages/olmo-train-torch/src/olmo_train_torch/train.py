@@ -10,8 +10,9 @@ One optimizer step ``s`` (1-based) over a global batch of sequences:
   logits and logsumexp in float32. The data-parallel reduction (FSDP reduce-scatter, DDP
   all-reduce) averages gradients over ranks, so each rank's loss is scaled by the rank count;
   the sum of the ranks' gradients is then exactly the gradient of the global loss;
-- the batch's ``doc_ids`` go to the model, so attention stays within a document (the JAX
-  trainer does the same; the two are compared within 1e-4);
+- with ``train.document_masking`` the batch's ``doc_ids`` go to the model, so attention stays
+  within a document; off (Olmo 3), a query sees the earlier documents of its window and global
+  layers keep the fused causal kernel;
 - grad norm: global L2 over all gradients in float32 (DTensor shards included), logged
   before clipping; clipping multiplies by ``min(1, clip / (norm + 1e-6))`` as
   ``torch.nn.utils.clip_grad_norm_``;
@@ -178,7 +179,8 @@ def train_step(
         rows = slice(i * micro, (i + 1) * micro)
         last = i == layout.accumulation_steps - 1
         with gradient_sync(model, last), autocast_context(model, recipe.train.precision, device):
-            logits = model(tensors["input_ids"][rows], tensors["doc_ids"][rows])
+            doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
+            logits = model(tensors["input_ids"][rows], doc_ids)
             ce, z = token_loss_sums(logits, tensors["labels"][rows])
             ((ce + spec.z_loss_weight * z) * scale).backward()
         sums += torch.stack([ce.detach(), z.detach()])
@@ -239,7 +241,7 @@ def evaluate(
                 part, counts = slice(0, rows), d.is_main
             t = {k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
             with autocast_context(model, recipe.train.precision, d.device):
-                logits = model(t["input_ids"], t["doc_ids"])
+                logits = model(t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None)
             ce, _ = token_loss_sums(logits, t["labels"])
             if counts:
                 sums += torch.stack([ce.double(), (t["labels"] != IGNORE_INDEX).sum().double()])

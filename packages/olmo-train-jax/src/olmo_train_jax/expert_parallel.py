@@ -1,0 +1,139 @@
+"""Expert parallelism for the JAX model: the routed experts split over an ``expert`` mesh axis.
+
+Layout. Each MoE layer's E experts are split into contiguous blocks of E/ep over the
+``expert`` axis (expert e lives on expert rank e // (E/ep)); the stacked expert weights
+``layers.expert_{gate,up,down}_proj`` [L, E, ...] are sharded on their expert axis
+(``expert_partition_spec``). The ``expert`` axis is also a data-parallel axis: tokens are
+split over (data, fsdp, expert) and the dense parts (attention, router, shared experts)
+stay data parallel; routing and the aux losses run in the jitted global view, so they see
+the whole global micro-batch and do not depend on the device count.
+
+One routed-expert call (``expert_parallel_experts``, under ``jax.shard_map``), per device:
+
+1. sort its T*k (token, slot) assignments by expert; those for expert rank r are then a
+   contiguous run;
+2. dispatch: one ``jax.lax.all_to_all`` over ``expert`` sends each run to its rank, with the
+   local expert id of every row;
+3. the receiver sorts what it got by local expert and runs the grouped SwiGLU
+   (``jax.lax.ragged_dot``) over its E/ep experts;
+4. combine: the reverse ``all_to_all`` returns the outputs to the token's device, which
+   unsorts them and adds the k weighted outputs per token.
+
+Dropless with static shapes: each device's send buffer holds, for every destination rank,
+room for ALL of its T*k assignments (the worst case: every token of the device routed to
+one rank), so no routing pattern can overflow it and no token is ever dropped. The price is
+ep x the minimal all-to-all volume and receive memory (padding rows are zeros that the
+grouped matmul skips: rows past the group sizes). ``jax.lax.ragged_all_to_all`` would send
+only the real rows, but XLA:CPU does not implement it in jax 0.10 ("HLO opcode
+ragged-all-to-all is not supported by XLA:CPU"); on GPU/TPU it is the next step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from .model import OlmoModel
+from .moe import ExpertsFn, ExpertWeights, combine, grouped_swiglu, local_experts, sort_by_expert
+
+EXPERT_AXIS = "expert"
+# Mesh axes that split tokens; the expert axis is one of them (its ranks hold different
+# tokens as well as different experts).
+TOKEN_AXES = ("data", "fsdp", EXPERT_AXIS)
+EXPERT_PARAMS = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
+
+
+def expert_partition_spec(path: tuple[str, ...], shape: tuple[int, ...]) -> P | None:
+    """The placement of a stacked routed-expert weight [L, E, ...] (expert axis split over
+    ``expert``), or None for every other parameter (the caller places it)."""
+    if path[-1] not in EXPERT_PARAMS:
+        return None
+    return P(None, EXPERT_AXIS, *([None] * (len(shape) - 2)))
+
+
+def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tuple[str, ...]):
+    """The per-device body of the expert-parallel routed experts (module docstring, 1-4)."""
+    n_tokens, k = experts.shape
+    d = x.shape[-1]
+    local_experts_n = w.gate.shape[0]
+    n_assign = n_tokens * k
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    dest = sorted_experts // local_experts_n
+    per_rank = jnp.bincount(dest, length=ep)
+    position = jnp.arange(n_assign) - (jnp.cumsum(per_rank) - per_rank)[dest]
+    # Row r*n_assign + i of the send buffer is the i-th assignment for expert rank r; the
+    # id column carries its local expert, padding gets the id local_experts_n (sorted last).
+    send = jnp.zeros((ep, n_assign, d), x.dtype).at[dest, position].set(x[order // k])
+    send_ids = jnp.full((ep, n_assign), local_experts_n, jnp.int32).at[dest, position].set(
+        sorted_experts % local_experts_n
+    )
+    recv = jax.lax.all_to_all(send.reshape(ep * n_assign, d), EXPERT_AXIS, 0, 0, tiled=True)
+    recv_ids = jax.lax.all_to_all(send_ids.reshape(ep * n_assign), EXPERT_AXIS, 0, 0, tiled=True)
+
+    recv_order, sizes = sort_by_expert(recv_ids, local_experts_n)
+    computed = grouped_swiglu(recv[recv_order], w, sizes)
+    outputs = jnp.zeros_like(computed).at[recv_order].set(computed)
+    back = jax.lax.all_to_all(outputs, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, n_assign, d)
+
+    ys = jnp.zeros((n_assign, d), x.dtype).at[order].set(back[dest, position])
+    return combine(ys, weights), jax.lax.psum(jnp.sum(sizes), token_axes)
+
+
+def expert_parallel_experts(mesh: Mesh) -> ExpertsFn:
+    """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis
+    (size 1: no all-to-all, each device computes its own tokens with all experts)."""
+    if EXPERT_AXIS not in mesh.axis_names:
+        raise ValueError(f"mesh axes {mesh.axis_names} have no '{EXPERT_AXIS}' axis; add one (size 1 for none)")
+    ep = mesh.shape[EXPERT_AXIS]
+    token_axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
+    token_shards = 1
+    for a in token_axes:
+        token_shards *= mesh.shape[a]
+    tokens = P(token_axes)
+
+    def experts_fn(x, experts, weights, w: ExpertWeights):
+        n_experts = w.gate.shape[0]
+        if n_experts % ep:
+            raise ValueError(
+                f"moe.n_experts={n_experts} is not divisible by the expert mesh axis ({ep}); "
+                "choose jax.mesh.expert among the divisors of n_experts"
+            )
+        if x.shape[0] % token_shards:
+            raise ValueError(
+                f"{x.shape[0]} tokens per micro-batch cannot be split over the {token_shards} devices of "
+                f"mesh axes {token_axes}; make batch x sequence a multiple of {token_shards}"
+            )
+        if ep == 1:
+            body = functools.partial(_local_with_count, token_axes=token_axes)
+        else:
+            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes)
+        expert_w = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P())
+        )(x, experts, weights, w)
+
+    return experts_fn
+
+
+def _local_with_count(x, experts, weights, w: ExpertWeights, *, token_axes: tuple[str, ...]):
+    out, computed = local_experts(x, experts, weights, w)
+    return out, jax.lax.psum(computed, token_axes)
+
+
+def apply_expert_parallel(model: OlmoModel, mesh: Mesh) -> None:
+    """Make ``model``'s MoE layers run their routed experts over ``mesh``'s expert axis."""
+    if model.spec.moe is None:
+        raise ValueError(f"spec '{model.spec.name}' has no moe section; expert parallelism needs an MoE spec")
+    ep = mesh.shape.get(EXPERT_AXIS, 1)
+    if model.spec.moe.n_experts % ep:
+        raise ValueError(
+            f"moe.n_experts={model.spec.moe.n_experts} is not divisible by the expert mesh axis ({ep}); "
+            "choose jax.mesh.expert among the divisors of n_experts"
+        )
+    model.experts_fn = expert_parallel_experts(mesh)

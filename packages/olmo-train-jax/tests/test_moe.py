@@ -1,0 +1,271 @@
+"""MoE in the JAX model on one CPU device (fp32): logits, aux losses and the total loss vs the
+float64 numpy reference, gradients vs JAX float64 and a finite difference of the reference,
+the Torch MoE block on the same weights, routing modes, HF names round trip.
+
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe.py -p no:xdist -q
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from olmo_model import MoESpec, get_preset, reference
+from olmo_train_jax import model_from_hf, to_hf
+from olmo_train_jax.moe import ExpertWeights, aux_loss, moe_block, rank_load_max_over_mean, route
+from olmo_train_torch.moe import MoE as TorchMoE
+
+TINY_MOE = get_preset("tiny-moe")
+# Sigmoid router, renormalised top-k, two shared experts of another width, 2 layers.
+VARIANT = TINY_MOE.replace(
+    n_layers=2,
+    moe=MoESpec(
+        n_experts=8, top_k=3, expert_hidden=32, n_shared_experts=2, shared_expert_hidden=48,
+        gating="sigmoid", normalize_top_k=True, load_balancing_loss_weight=0.05, router_z_loss_weight=0.01,
+    ),
+)
+IGNORE = -100
+
+
+def _ids(spec, batch=2, seq=48, seed=0):
+    return np.random.default_rng(seed).integers(0, spec.vocab_size, (batch, seq)).astype(np.int32)
+
+
+def _jitted(model, **kwargs):
+    graphdef, state = nnx.split(model)
+    fn = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward_with_aux(ids, **kwargs))
+    return fn, state
+
+
+def _labels(ids):
+    labels = np.roll(ids, -1, axis=1).astype(np.int32)
+    labels[:, -1] = IGNORE
+    labels[0, :5] = IGNORE
+    return labels
+
+
+def _numpy_total(spec, logits, stats, labels):
+    """reference.loss's total from the JAX logits and aux values, in float64 numpy."""
+    keep = labels != IGNORE
+    z = np.asarray(logits, np.float64)[keep]
+    top = z.max(-1)
+    lse = np.log(np.exp(z - top[:, None]).sum(-1)) + top
+    ce = np.mean(lse - z[np.arange(len(z)), labels[keep]])
+    moe = spec.moe
+    return (
+        ce
+        + spec.z_loss_weight * np.mean(lse**2)
+        + moe.load_balancing_loss_weight * float(stats.load_balancing)
+        + moe.router_z_loss_weight * float(stats.router_z)
+    )
+
+
+def _loss_fn(graphdef, spec, routing="learned"):
+    """(total loss, (logits, stats)), CE and z-loss as reference.loss defines them."""
+
+    def fn(state, ids, labels):
+        logits, stats = nnx.merge(graphdef, state).forward_with_aux(ids, routing=routing)
+        keep = labels != IGNORE
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, jnp.where(keep, labels, 0)[..., None], axis=-1)[..., 0]
+        n = jnp.sum(keep)
+        ce = jnp.sum(jnp.where(keep, lse - picked, 0.0)) / n
+        z = jnp.sum(jnp.where(keep, lse * lse, 0.0)) / n
+        return ce + spec.z_loss_weight * z + aux_loss(stats, spec.moe, routing), (logits, stats)
+
+    return fn
+
+
+def _check_against_reference(spec, params, ids, labels, logits, stats, total):
+    ref_logits, ref_aux = reference.forward_with_aux(spec, params, ids)
+    ref_loss = reference.loss(spec, params, ids, labels, ignore_index=IGNORE)
+    assert np.abs(np.asarray(logits) - ref_logits).max() <= 1e-4
+    assert float(stats.load_balancing) == pytest.approx(ref_aux["load_balancing_loss"], rel=1e-5)
+    assert float(stats.router_z) == pytest.approx(ref_aux["router_z_loss"], rel=1e-5)
+    assert int(stats.dropped) == 0
+    assert int(stats.tokens_per_expert.sum()) == spec.n_layers * ids.size * spec.moe.top_k
+    assert abs(total - ref_loss["total"]) <= 1e-5
+
+
+def test_tiny_moe_logits_aux_and_total_loss_match_numpy_reference():
+    spec = TINY_MOE
+    params = reference.init_params(spec, seed=1)
+    ids = _ids(spec, seq=40)
+    labels = _labels(ids)
+    graphdef, state = nnx.split(model_from_hf(spec, params))
+    logits, stats = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward_with_aux(ids))(state, ids)
+    _check_against_reference(spec, params, ids, labels, logits, stats, _numpy_total(spec, logits, stats, labels))
+
+
+def test_variant_loss_and_gradients_match_reference_float64_and_finite_differences():
+    """Sigmoid router, renormalised top-k, two shared experts: logits, aux and total loss vs
+    the reference; fp32 gradients vs the same model in float64 (whose RMSNorm and RoPE
+    tables stay float32, as transformers computes them, hence 1e-4); the float64 gradient
+    along a random direction vs a central difference of the numpy reference's total loss."""
+    spec = VARIANT
+    params = reference.init_params(spec, seed=2)
+    ids = _ids(spec, batch=2, seq=24, seed=3)
+    labels = _labels(ids)
+
+    graphdef32, state32 = nnx.split(model_from_hf(spec, params))
+    (total, (logits, stats)), g32 = jax.jit(jax.value_and_grad(_loss_fn(graphdef32, spec), has_aux=True))(
+        state32, ids, labels
+    )
+    _check_against_reference(spec, params, ids, labels, logits, stats, float(total))
+    assert np.abs(np.asarray(g32["layers"]["router"][...])).max() > 0  # learned routing trains the router
+
+    rng = np.random.default_rng(4)
+    # Moves of 1e-6 x 0.02 per weight change no top-k choice, so the loss is smooth along them.
+    direction = {k: 0.02 * rng.standard_normal(v.shape) for k, v in params.items()}
+    eps = 1e-6
+
+    def moved(sign):
+        return {k: params[k].astype(np.float64) + sign * eps * direction[k] for k in params}
+
+    numeric = (
+        reference.loss(spec, moved(1), ids, labels, ignore_index=IGNORE)["total"]
+        - reference.loss(spec, moved(-1), ids, labels, ignore_index=IGNORE)["total"]
+    ) / (2 * eps)
+
+    with jax.enable_x64(True):
+        p64 = {k: v.astype(np.float64) for k, v in params.items()}
+        graphdef64, state64 = nnx.split(model_from_hf(spec, p64, param_dtype=jnp.float64, dtype=jnp.float64))
+        g64, _ = jax.jit(jax.grad(_loss_fn(graphdef64, spec), has_aux=True))(state64, ids, labels)
+        # The adapter is a linear re-layout (transposes, stacking, concatenation), so it maps
+        # the direction into the parameter tree with inner products unchanged.
+        _, dir_state = nnx.split(model_from_hf(spec, direction, param_dtype=jnp.float64))
+        analytic = sum(
+            float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(g64), jax.tree.leaves(dir_state), strict=True)
+        )
+        leaves64 = [np.asarray(g) for g in jax.tree.leaves(g64)]
+
+    assert analytic == pytest.approx(numeric, rel=1e-4)
+    for g32_leaf, g64_leaf in zip(jax.tree.leaves(g32), leaves64, strict=True):
+        scale = np.abs(g64_leaf).max()
+        assert np.abs(np.asarray(g32_leaf, np.float64) - g64_leaf).max() <= 1e-4 * scale
+
+
+def _numpy_layer(spec, params, layer):
+    pre = f"model.layers.{layer}.mlp."
+    return {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
+
+
+def test_block_matches_torch_moe_block():
+    """The JAX block and helper H9's Torch block (olmo_train_torch.moe.MoE) on the same weights."""
+    spec = VARIANT
+    moe = spec.moe
+    params = reference.init_params(spec, seed=5)
+    layer = _numpy_layer(spec, params, 0)
+    x = np.random.default_rng(6).standard_normal((96, spec.d_model)).astype(np.float32)
+
+    block = TorchMoE(moe, spec.d_model, layer=0)
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.from_numpy(layer["gate.weight"]))
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            stacked = np.stack([layer[f"experts.{e}.{proj}.weight"] for e in range(moe.n_experts)])
+            getattr(block.experts, proj).copy_(torch.from_numpy(stacked))
+            for s in range(moe.n_shared_experts):
+                getattr(block.shared_experts[s], proj).weight.copy_(
+                    torch.from_numpy(layer[f"shared_experts.{s}.{proj}.weight"])
+                )
+    torch_out, torch_stats = block(torch.from_numpy(x))
+
+    model = model_from_hf(spec, params)
+    w = model.layers
+    routed = ExpertWeights(w.expert_gate_proj[0], w.expert_up_proj[0], w.expert_down_proj[0])
+    shared = ExpertWeights(w.shared_gate_proj[0], w.shared_up_proj[0], w.shared_down_proj[0])
+    with jax.default_matmul_precision("highest"):
+        out, stats = jax.jit(lambda x: moe_block(x, w.router[0], routed, shared, moe))(jnp.asarray(x))
+    assert np.abs(np.asarray(out) - torch_out.detach().numpy()).max() <= 1e-5
+    np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), torch_stats.tokens_per_expert.numpy())
+    ref_layer = {"m." + k: v.astype(np.float64) for k, v in layer.items()}
+    ref_out, ref_lb, ref_z = reference.moe_block(moe, ref_layer, "m.", x.astype(np.float64))
+    assert np.abs(np.asarray(out) - ref_out).max() <= 1e-5
+    assert float(stats.load_balancing) == pytest.approx(ref_lb, rel=1e-5)
+    assert float(stats.router_z) == pytest.approx(ref_z, rel=1e-5)
+
+
+def test_random_routing_is_near_uniform_and_reproducible():
+    moe = TINY_MOE.moe
+    n_tokens = 8192
+    logits = jnp.zeros((n_tokens, moe.n_experts))
+    key = jax.random.fold_in(jax.random.key(7), 3)
+    experts, weights, _ = jax.jit(lambda l, k: route(l, moe, "random", k))(logits, key)
+    counts = np.bincount(np.asarray(experts).ravel(), minlength=moe.n_experts)
+    expected = n_tokens * moe.top_k / moe.n_experts  # 4096 per expert
+    # A binomial count with p = 1/2 has sd sqrt(8192 / 4) ~ 45, so 5% (205) is > 4.5 sd.
+    assert np.abs(counts - expected).max() <= 0.05 * expected
+    assert all(len(set(row)) == moe.top_k for row in np.asarray(experts)[:100])  # k distinct experts
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-6)
+    again, _, _ = route(logits, moe, "random", key)
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(experts))
+    other, _, _ = route(logits, moe, "random", jax.random.fold_in(jax.random.key(7), 4))
+    assert (np.asarray(other) != np.asarray(experts)).mean() > 0.5
+
+
+def test_uniform_routing_is_exactly_balanced_and_router_untrained():
+    spec = TINY_MOE
+    params = reference.init_params(spec, seed=8)
+    ids = _ids(spec, batch=2, seq=32)
+    graphdef, state = nnx.split(model_from_hf(spec, params))
+    _, stats = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward_with_aux(ids, routing="uniform"))(state, ids)
+    # 64 tokens x 4 slots over 8 experts in 4 layers: 32 per expert per layer.
+    np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), np.full(8, 4 * 32))
+    assert rank_load_max_over_mean(np.asarray(stats.tokens_per_expert), 4) == 1.0
+    experts, weights, _ = route(jnp.zeros((3, 8)), spec.moe, "uniform")
+    np.testing.assert_array_equal(np.asarray(experts), [[0, 1, 2, 3], [4, 5, 6, 7], [0, 1, 2, 3]])
+    np.testing.assert_array_equal(np.asarray(weights), np.full((3, 4), 0.25))
+
+    # Block level: with the aux losses in the objective, no gradient reaches the router.
+    w = nnx.merge(graphdef, state).layers
+    routed = ExpertWeights(w.expert_gate_proj[0], w.expert_up_proj[0], w.expert_down_proj[0])
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((16, spec.d_model)), jnp.float32)
+
+    def objective(router, routed):
+        out, stats = moe_block(x, router, routed, None, spec.moe, routing="uniform")
+        return jnp.sum(out**2) + aux_loss(stats, spec.moe, "uniform") + stats.load_balancing + stats.router_z
+
+    g_router, g_routed = jax.jit(jax.grad(objective, argnums=(0, 1)))(w.router[0], routed)
+    assert not np.asarray(g_router).any()
+    assert np.asarray(g_routed.up).any()
+
+
+def test_random_routing_in_the_model_depends_on_step_and_layer():
+    spec = TINY_MOE
+    model = model_from_hf(spec, reference.init_params(spec, seed=9))
+    graphdef, state = nnx.split(model)
+    fwd = jax.jit(
+        lambda st, ids, key: nnx.merge(graphdef, st).forward_with_aux(ids, routing="random", routing_key=key)
+    )
+    ids = _ids(spec, batch=2, seq=32)
+    base = jax.random.key(0)
+    a, _ = fwd(state, ids, jax.random.fold_in(base, 1))
+    b, _ = fwd(state, ids, jax.random.fold_in(base, 1))
+    c, _ = fwd(state, ids, jax.random.fold_in(base, 2))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-3
+    with pytest.raises(ValueError, match="routing_key"):
+        model.forward_with_aux(jnp.asarray(ids), routing="random")
+    with pytest.raises(ValueError, match="routing='greedy' is unknown"):
+        model.forward_with_aux(jnp.asarray(ids), routing="greedy")
+
+
+def test_hf_round_trip_and_interleaved_layers_refused():
+    params = reference.init_params(VARIANT, seed=10)
+    back = to_hf(model_from_hf(VARIANT, params), VARIANT)
+    assert list(back) == list(params)
+    for name in params:
+        np.testing.assert_array_equal(back[name], params[name], err_msg=name)
+    interleaved = TINY_MOE.replace(moe=TINY_MOE.moe.model_copy(update={"layers": (1, 3)}))
+    with pytest.raises(NotImplementedError, match="moe.layers=\\[1, 3\\] mixes dense and MoE layers"):
+        model_from_hf(interleaved, reference.init_params(interleaved))
+
+
+def test_rank_load_max_over_mean_by_hand():
+    # 4 ranks of 2 experts: loads 10, 2, 4, 0 -> mean 4, max 10.
+    assert rank_load_max_over_mean(np.array([6, 4, 1, 1, 2, 2, 0, 0]), 4) == 2.5
+    with pytest.raises(ValueError, match="ep_size=3 does not divide n_experts=8"):
+        rank_load_max_over_mean(np.zeros(8), 3)

@@ -1,0 +1,39 @@
+"""Data parallelism over processes (torchrun, gloo on CPU, fp32): 4 processes (HSDP 2 x 2)
+follow the single-process run within 1e-5 per step, and an elastic resume of that 4-process
+run's step-10 checkpoint on 2 processes (DDP, 2 accumulation micro-steps) sees the same
+global batches and follows the uninterrupted 4-process run within 1e-5."""
+
+from __future__ import annotations
+
+import shutil
+
+from olmo_model.runlog import checkpoint_dir
+
+
+def test_four_processes_match_one_then_resume_on_two(harness, mixture, one_process_run, tmp_path):
+    four = tmp_path / "four"
+    result = harness.run(harness.args(mixture, four, "--torch.parallel=hsdp", "--torch.replicate=2"), nproc=4)
+    harness.check_ok(result)
+    assert "'dp_replicate': 2, 'dp_shard': 2" in result.stdout
+    one = harness.train_lines(one_process_run)
+    ref = harness.train_lines(four)
+    assert len(ref) == len(one) == 20
+    for a, b in zip(one, ref):
+        assert a["batch_digest"] == b["batch_digest"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+        assert b["tokens_per_second_per_device"] * 4 == b["tokens_per_second"]
+
+    elastic = tmp_path / "elastic"
+    shutil.copytree(four, elastic)
+    shutil.rmtree(checkpoint_dir(elastic, 20))
+    result = harness.run(
+        harness.args(mixture, elastic, "--torch.parallel=ddp", "--train.micro_batch_size=4"), nproc=2
+    )
+    harness.check_ok(result)
+    assert "global batch 16 = 4 per device x 2 data-parallel x 2 accumulation" in result.stdout
+    assert "written with global batch 16 = 4 per device x 4 data-parallel x 1 accumulation" in result.stdout
+    got = harness.train_lines(elastic)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    for a, b in zip(ref[10:], got[10:]):
+        assert a["batch_digest"] == b["batch_digest"]
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
