@@ -232,7 +232,8 @@ def test_default_job_loss_falls(tmp_path):
     assert json.loads((run_dir / "spec.json").read_text())["d_model"] == 128
 
 
-def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
+def adam_count(run_dir: Path, ckpt: Path) -> int:
+    """The AdamW step count stored in a checkpoint (restored onto one device)."""
     import jax
     from flax import nnx
     from olmo_train_jax import sharding
@@ -240,6 +241,18 @@ def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import make_optimizer
 
+    recipe = load_recipe(run_dir / "recipe.yaml", [])
+    spec = recipe.model_spec()
+    params = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: build_model(spec)))[1])
+    mesh = sharding.make_mesh({"data": -1})
+    params_sh = sharding.param_shardings(params, spec, mesh)
+    abstract_opt = jax.eval_shape(make_optimizer(params, recipe).init, params)
+    opt_sh = sharding.state_shardings(abstract_opt, params_sh, mesh)
+    _, opt_state, _ = restore_state(ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, opt_sh))
+    return int(opt_state[0].count)
+
+
+def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
     run_dir = tmp_path / "guarded"
     # A hair-trigger guard: after 2 accepted steps, anything above the running mean is a spike.
     guard = ["--spike_guard.enabled=true", "--spike_guard.min_history=2", "--spike_guard.sigma=1e-6"]
@@ -255,18 +268,7 @@ def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
     meta = read_meta(ckpt)
     assert len(meta["spike_guard"]["losses"]) == steps - len(skipped)
     assert meta["loader_state"]["step"] == steps
-    recipe = load_recipe(run_dir / "recipe.yaml", [])
-    spec = recipe.model_spec()
-    params = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: build_model(spec)))[1])
-    mesh = sharding.make_mesh({"data": -1})
-    params_sh = sharding.param_shardings(params, spec, mesh)
-    tx = make_optimizer(params, recipe)
-    abstract_opt = jax.eval_shape(tx.init, params)
-    _, opt_state, step = restore_state(
-        ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, sharding.state_shardings(abstract_opt, params_sh, mesh))
-    )
-    assert step == steps
-    assert int(opt_state[0].count) == steps - len(skipped)  # Adam's step count saw only accepted steps
+    assert adam_count(run_dir, ckpt) == steps - len(skipped)  # Adam's step count saw only accepted steps
 
 
 def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
@@ -299,3 +301,18 @@ def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
     z = (torch.logsumexp(logits, dim=-1) ** 2)[valid].sum()
     want = float((ce + spec.z_loss_weight * z) / valid.sum())
     assert abs(train_losses(run_dir)[1] - want) <= 1e-5, (train_losses(run_dir)[1], want)
+
+
+def test_init_from_our_checkpoint_takes_its_weights_and_moments(mixture, one_device_run, tmp_path):
+    """A new stage from another run's step-10 checkpoint: its first loss is that run's trained
+    level, far below a fresh init's ln(vocab); the optimizer's step count continues from 10."""
+    run_dir = tmp_path / "stage2"
+    ckpt = one_device_run / "checkpoints" / "step_00000010"
+    assert main([*BASE, "--train.steps=1", f"--init.checkpoint={ckpt}", "--init.load_optimizer=true",
+                 f"--data.mixture={mixture}", f"--run_dir={run_dir}"]) == 0
+    first = train_losses(run_dir)[1]
+    trained = train_losses(one_device_run)
+    assert first < trained[1] - 0.5 and abs(first - trained[10]) < 0.5, (first, trained[1], trained[10])
+    ckpt1 = run_dir / "checkpoints" / "step_00000001"
+    assert read_meta(ckpt1)["loader_state"]["step"] == 1  # the new stage's data starts at its own batch 0
+    assert adam_count(run_dir, ckpt1) == 11

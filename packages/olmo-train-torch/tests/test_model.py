@@ -219,11 +219,6 @@ def test_inference_mode_call_leaves_caches_usable_for_training():
     assert model.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
 
 
-def test_moe_spec_is_refused():
-    with pytest.raises(NotImplementedError, match="issue 8"):
-        build_model(get_preset("tiny-moe"))
-
-
 # ---- HF adapter --------------------------------------------------------------------------
 
 

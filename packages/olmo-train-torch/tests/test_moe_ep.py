@@ -43,6 +43,8 @@ def _free_port() -> int:
 def _spawn(fn, *args) -> None:
     # fork: the workers inherit the imported modules and the objects built here (a
     # spawned child would re-import torch and this test module, slow on a shared machine).
+    # assert_close imports its helpers lazily, ~20 s per process on a busy machine: once here.
+    torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
     mp.start_processes(fn, args=(_free_port(), *args), nprocs=EP, join=True, start_method="fork")
 
 
@@ -98,6 +100,7 @@ def _check_block(rank, imbalanced, block, x, upstream, out, aux, grads) -> None:
     torch.testing.assert_close(got_aux.load_balancing, aux.load_balancing.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_aux.router_z, aux.router_z.detach(), atol=1e-6, rtol=1e-6)
     assert torch.equal(got_aux.tokens_per_expert, aux.tokens_per_expert)
+    assert int(got_aux.dropped_tokens) == 0
     local = slice(rank * 4, (rank + 1) * 4)
     for name, p in block.named_parameters():
         want = grads[name][local] if name.startswith("experts.") else grads[name]

@@ -112,6 +112,27 @@ def compare_runs(torch_dir: Path, jax_dir: Path, steps: int) -> dict[str, Any]:
     }
 
 
+def check_thresholds(
+    result: dict[str, Any], *, max_loss_diff: float | None, max_grad_norm_diff: float | None,
+    max_eval_diff: float | None,
+) -> list[str]:
+    """One message per threshold that is given and exceeded (empty: PASS)."""
+    failures = []
+    for key, limit, flag in (
+        ("max_abs_loss_diff", max_loss_diff, "--max-loss-diff"),
+        ("max_abs_grad_norm_diff", max_grad_norm_diff, "--max-grad-norm-diff"),
+        ("max_abs_held_out_diff", max_eval_diff, "--max-eval-diff"),
+    ):
+        value = result[key]
+        if limit is None:
+            continue
+        if value is None:
+            failures.append(f"{key}: no held-out losses to check {flag} against")
+        elif not value <= limit:
+            failures.append(f"{key} {value:.3e} > {flag} {limit:g}")
+    return failures
+
+
 def run_train_parity(args: argparse.Namespace) -> int:
     if args.steps <= 0:
         raise TrainParityError(f"--steps {args.steps} must be positive")
@@ -141,16 +162,10 @@ def run_train_parity(args: argparse.Namespace) -> int:
         wall[fw] = _run_trainer(fw, argv, out / f"{fw}.log")
     result = compare_runs(out / "torch", out / "jax", args.steps)
 
-    failures = []
-    checks = (
-        ("max_abs_loss_diff", args.max_loss_diff, "--max-loss-diff"),
-        ("max_abs_grad_norm_diff", args.max_grad_norm_diff, "--max-grad-norm-diff"),
-        ("max_abs_held_out_diff", args.max_eval_diff, "--max-eval-diff"),
+    failures = check_thresholds(
+        result, max_loss_diff=args.max_loss_diff, max_grad_norm_diff=args.max_grad_norm_diff,
+        max_eval_diff=args.max_eval_diff,
     )
-    for key, limit, flag in checks:
-        value = result[key]
-        if limit is not None and (value is None or not value <= limit):
-            failures.append(f"{key} {value:.3e} > {flag} {limit:g}" if value is not None else f"{key}: no value for {flag}")
     png = Path(args.png) if args.png else out / "parity.png"
     from .compare_runs import plot
 

@@ -8,6 +8,7 @@ What one optimizer step s (1-based) does, identically to the Torch trainer:
 
 - global batch s-1 of the mixture order, split over (data, fsdp) and over ``accumulation``
   micro-steps (``olmo_model.recipe.batch_layout``) inside ONE jitted function (``lax.scan``);
+  attention stays inside each document only with ``train.document_masking``;
 - loss = (sum of token CE + z_loss_weight x sum of logsumexp^2) / (valid tokens in the GLOBAL
   batch), so the value and the gradient do not depend on the device count or accumulation;
 - grad norm: global L2 over all gradients in float32, clipped by torch's clip_grad_norm_
@@ -437,14 +438,10 @@ def train(recipe: Recipe) -> Path:
             flush=True,
         )
     else:
-        params = _initial_params(plan, make_model, abstract_params, params_sh)
-        opt_state = init_opt(params)
-        if recipe.init.checkpoint and recipe.init.load_optimizer and not recipe.init.checkpoint.startswith("hf:"):
-            _, opt_state, _ = restore_state(
-                Path(recipe.init.checkpoint),
-                abstract_like(abstract_params, params_sh),
-                abstract_like(abstract_opt, opt_sh),
-            )
+        params, opt_state = _initial_state(
+            plan, make_model, abstract_like(abstract_params, params_sh), abstract_like(abstract_opt, opt_sh)
+        )
+        opt_state = init_opt(params) if opt_state is None else opt_state
 
     fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
     peak, peak_label = device_peak()
@@ -540,15 +537,18 @@ def train(recipe: Recipe) -> Path:
     return run_dir
 
 
-def _initial_params(plan: Plan, make_model, abstract_params: dict, params_sh: Any) -> dict:
-    """Fresh weights from recipe.train.seed, or the weights of init.checkpoint (ours or hf:DIR)."""
+def _initial_state(plan: Plan, make_model, abstract_params: Any, abstract_opt: Any) -> tuple[Any, Any | None]:
+    """(params, AdamW state or None) to start from: fresh weights from recipe.train.seed, or
+    init.checkpoint's weights (and moments when init.load_optimizer), on the current mesh."""
     source = plan.recipe.init.checkpoint
+    params_sh = jax.tree.map(lambda a: a.sharding, abstract_params)
     if source is None:
-        return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)()
+        return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)(), None
     print(f"initial weights from {source}", flush=True)
     if plan.init_tensors is not None:
-        model = model_from_hf(plan.spec, plan.init_tensors)
-        pure = nnx.to_pure_dict(nnx.split(model)[1])
-        return jax.tree.map(lambda x, s: jax.device_put(x, s), pure, params_sh)
-    params, _, _ = restore_state(Path(source), abstract_like(abstract_params, params_sh), None)
-    return params
+        pure = nnx.to_pure_dict(nnx.split(model_from_hf(plan.spec, plan.init_tensors))[1])
+        return jax.tree.map(jax.device_put, pure, params_sh), None
+    params, opt_state, _ = restore_state(
+        Path(source), abstract_params, abstract_opt if plan.recipe.init.load_optimizer else None
+    )
+    return params, opt_state

@@ -180,6 +180,7 @@ class RoutingStats(NamedTuple):
     z_sum: torch.Tensor  # [] float32: sum over tokens of logsumexp(logits)^2 (has grad)
     n_tokens: int  # tokens of this rank
     top_k: int
+    dropped: int  # assignments without an expert output (rows in minus rows back): 0 when dropless
 
 
 @dataclass
@@ -273,14 +274,18 @@ class MoE(nn.Module):
         generator = self._generator(x.device) if self.routing == "random" else None
         routing, probs = route(logits, self.spec, self.routing, generator)
         order, sizes = sort_by_expert(routing.experts, self.spec.n_experts)
-        token_of = order // self.spec.top_k
-        xs = tokens[token_of]
+        # Gather through a permutation of the k copies of each token (not tokens[order // k]):
+        # the backward then scatters to distinct rows and sums the k copies, no atomics.
+        per_slot_in = tokens.unsqueeze(1).expand(-1, self.spec.top_k, -1).reshape(-1, shape[-1])
+        xs = per_slot_in[order]
         if self.dispatcher is None:
             ys = self.experts(xs, sizes)
         else:
             ys = self.dispatcher(xs, sizes, self.experts)
-        weights = routing.weights.reshape(-1)[order].to(ys.dtype)
-        out = torch.zeros_like(tokens).index_add_(0, token_of, ys * weights[:, None])
+        # Back to (token, slot) order, then a sum over the k slots: deterministic, unlike an
+        # index_add of the sorted rows (atomics on GPU), so resumed runs repeat bitwise.
+        per_slot = torch.empty_like(ys).index_copy(0, order, ys).reshape(*routing.experts.shape, -1)
+        out = (per_slot * routing.weights.to(ys.dtype).unsqueeze(-1)).sum(1)
         for shared in self.shared_experts:
             out = out + shared(tokens)
         lse = torch.logsumexp(logits, dim=-1)
@@ -290,6 +295,7 @@ class MoE(nn.Module):
             z_sum=(lse * lse).sum(),
             n_tokens=tokens.shape[0],
             top_k=self.spec.top_k,
+            dropped=routing.experts.numel() - ys.shape[0],
         )
         return out.reshape(shape), stats
 
@@ -306,6 +312,7 @@ class MoEAux:
     load_balancing: torch.Tensor  # [] E * sum_e f_e P_e, mean over layers
     router_z: torch.Tensor  # [] mean over tokens of logsumexp(logits)^2, mean over layers
     tokens_per_expert: torch.Tensor  # [E] int64, global, summed over layers
+    dropped_tokens: torch.Tensor  # [] int64, global, summed over layers
 
     def weighted(self, moe: MoESpec, routing: RoutingMode = "learned") -> torch.Tensor:
         """The aux term of the training loss: lb_weight * lb + router_z_weight * router_z,
@@ -329,26 +336,28 @@ def _global(local: torch.Tensor, group) -> torch.Tensor:
 def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
     """Load-balancing and router z-loss over the global micro-batch (the ranks of
     ``group``, the data-parallel group; None: this process only). One all-reduce of
-    E+2 numbers per layer; counts carry no gradient, P_e and the z sums do."""
+    2E+3 numbers per layer (counts, probability sums, z sum, tokens, dropped); counts
+    carry no gradient, P_e and the z sums do."""
     if not stats:
         raise ValueError("moe_aux_losses: no RoutingStats; the model has no MoE layer (spec.moe is null)")
-    lbs, zs, counts = [], [], []
+    lbs, zs, counts, dropped = [], [], [], []
     for s in stats:
         n_experts = s.tokens_per_expert.shape[0]
         packed = torch.cat([
             s.tokens_per_expert.float(),
             s.prob_sum.float(),
-            torch.stack([s.z_sum.float(), torch.tensor(float(s.n_tokens), device=s.z_sum.device)]),
+            torch.stack([s.z_sum.float(), s.z_sum.new_tensor(float(s.n_tokens)), s.z_sum.new_tensor(float(s.dropped))]),
         ])
         total = _global(packed, group)
         count, prob_sum, z_sum, n = (
-            total[:n_experts].detach(), total[n_experts : 2 * n_experts], total[-2], total[-1].detach()
+            total[:n_experts].detach(), total[n_experts : 2 * n_experts], total[-3], total[-2].detach()
         )
+        dropped.append(total[-1].detach())
         f = count / (n * s.top_k)
         lbs.append(n_experts * (f * prob_sum / n).sum())
         zs.append(z_sum / n)
         counts.append(count.round().long())
-    return MoEAux(torch.stack(lbs).mean(), torch.stack(zs).mean(), torch.stack(counts).sum(0))
+    return MoEAux(torch.stack(lbs).mean(), torch.stack(zs).mean(), torch.stack(counts).sum(0), torch.stack(dropped).sum().round().long())
 
 
 def rank_load_max_over_mean(tokens_per_expert: torch.Tensor, ep_size: int) -> float:
@@ -360,6 +369,19 @@ def rank_load_max_over_mean(tokens_per_expert: torch.Tensor, ep_size: int) -> fl
     per_rank = tokens_per_expert.reshape(ep_size, -1).sum(1).double()
     mean = per_rank.mean()
     return float(per_rank.max() / mean) if mean > 0 else 1.0
+
+
+def moe_step_metrics(aux: MoEAux, ep_size: int) -> dict[str, float | int | list[int]]:
+    """The MoE keys of a train line (issue 8): tokens per expert summed over MoE layers,
+    per expert-parallel rank load max/mean, dropped assignments (measured: rows sent to
+    the experts minus rows returned; 0 for this dropless block), the unweighted aux losses."""
+    return {
+        "moe_tokens_per_expert": aux.tokens_per_expert.tolist(),
+        "moe_rank_load_max_over_mean": rank_load_max_over_mean(aux.tokens_per_expert, ep_size),
+        "moe_dropped_tokens": int(aux.dropped_tokens),
+        "moe_lb_loss": float(aux.load_balancing.detach()),
+        "moe_router_z_loss": float(aux.router_z.detach()),
+    }
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:

@@ -169,21 +169,22 @@ def train_step(
     """One optimizer step over this rank's slice of a global batch."""
     device = d.device
     tensors = {k: torch.from_numpy(batch[k]).to(device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
-    count = (tensors["labels"] != IGNORE_INDEX).sum().to(torch.float32)
+    # float64 counts and sums: exact token counts for global batches beyond 2^24 tokens.
+    count = (tensors["labels"] != IGNORE_INDEX).sum().to(torch.float64)
     n_global = d.all_reduce_sum(count).clamp_min(1.0)
     # Gradients are averaged over data-parallel ranks by FSDP/DDP: scale up by the rank count.
-    scale = d.world_size / n_global
-    sums = torch.zeros(2, dtype=torch.float32, device=device)
+    scale = (d.world_size / n_global).to(torch.float32)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
     micro = layout.per_device_batch
     for i in range(layout.accumulation_steps):
         rows = slice(i * micro, (i + 1) * micro)
-        last = i == layout.accumulation_steps - 1
-        with gradient_sync(model, last), autocast_context(model, recipe.train.precision, device):
-            doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
-            logits = model(tensors["input_ids"][rows], doc_ids)
+        with gradient_sync(model, i == layout.accumulation_steps - 1):
+            with autocast_context(model, recipe.train.precision, device):
+                doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
+                logits = model(tensors["input_ids"][rows], doc_ids)
             ce, z = token_loss_sums(logits, tensors["labels"][rows])
             ((ce + spec.z_loss_weight * z) * scale).backward()
-        sums += torch.stack([ce.detach(), z.detach()])
+        sums += torch.stack([ce.detach(), z.detach()]).double()
     d.all_reduce_sum(sums)
     ce_mean, z_mean = (sums / n_global).tolist()
     loss = ce_mean + spec.z_loss_weight * z_mean

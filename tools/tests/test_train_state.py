@@ -1,0 +1,178 @@
+"""Switching frameworks mid-run: ``olmo-convert torch-run: jax-run:`` and back.
+
+A 20-step run of one trainer is the reference; its step-10 checkpoint is converted and the
+other trainer resumes it for steps 11-20. Per-step losses and the final held-out losses must
+equal the uninterrupted run's within 1e-4 (they differ only by the two frameworks' rounding).
+Model "tiny" (4 layers, window 32) on the sample mixture at sequence 64, global batch 8, fp32.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import torch
+import yaml
+from olmo_model.runlog import complete_checkpoints, read_meta, read_metrics
+from olmo_tools.convert import main as convert_main
+from olmo_train_jax.cli import main as jax_main
+from olmo_train_torch.cli import main as torch_main
+from torch.distributed.checkpoint import FileSystemReader
+
+STEPS = 20
+SWITCH = 10
+RECIPE = [
+    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", f"--train.steps={STEPS}",
+    "--train.precision=fp32", f"--checkpoint.every={SWITCH}", f"--eval.every={STEPS}", "--log.progress=false",
+    "--checkpoint.async_save=false", "--torch.parallel=none", "--schedule.warmup_steps=5",
+]
+TRAINERS = {"torch": torch_main, "jax": jax_main}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Two cores shared by many processes: one intra-op thread is several times faster here.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def train(framework: str, run_dir: Path, *extra: str) -> None:
+    assert TRAINERS[framework]([*RECIPE, f"--run_dir={run_dir}", *extra]) == 0
+
+
+def ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def held_out(run_dir: Path) -> dict[str, float]:
+    evals = [r for r in read_metrics(run_dir) if r["kind"] == "eval"]
+    return {name: v["loss"] for name, v in evals[-1]["eval"].items()}
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Uninterrupted 20-step runs of both trainers, each switched to the other at step 10."""
+    root = tmp_path_factory.mktemp("switch")
+    out = {}
+    for source, target in (("torch", "jax"), ("jax", "torch")):
+        straight, switched = root / f"{source}-only", root / f"{source}-then-{target}"
+        train(source, straight)
+        assert convert_main([f"{source}-run:{ckpt(straight, SWITCH)}", f"{target}-run:{switched}"]) == 0
+        train(target, switched)  # resumes the converted checkpoint: steps 11-20
+        out[source], out[f"{source}->{target}"] = straight, switched
+    return out
+
+
+@pytest.mark.parametrize("source,target", [("torch", "jax"), ("jax", "torch")])
+def test_switched_run_follows_the_uninterrupted_one(runs, source, target):
+    straight, switched = runs[source], runs[f"{source}->{target}"]
+    want, got = losses(straight), losses(switched)
+    assert sorted(got) == list(range(SWITCH + 1, STEPS + 1))  # the target trained steps 11-20 only
+    for s in got:
+        assert abs(got[s] - want[s]) <= 1e-4, (s, got[s], want[s])
+    assert want[STEPS] < want[1] - 0.5  # a run that learns, not a flat line
+    want_eval, got_eval = held_out(straight), held_out(switched)
+    assert set(got_eval) == {"code", "prose"}
+    for name in want_eval:
+        assert abs(got_eval[name] - want_eval[name]) <= 1e-4, (name, got_eval[name], want_eval[name])
+
+
+def test_converted_checkpoint_carries_the_training_state(runs):
+    """Read both checkpoints with the frameworks' own readers, not with train_state."""
+    src, dst = ckpt(runs["torch"], SWITCH), ckpt(runs["torch->jax"], SWITCH)
+    src_meta, dst_meta = read_meta(src), read_meta(dst)
+    assert dst_meta["framework"] == "jax" and dst_meta["step"] == SWITCH
+    assert dst_meta["loader_state"] == src_meta["loader_state"] and dst_meta["loader_state"]["step"] == SWITCH
+    assert dst_meta["spec"] == src_meta["spec"] and dst_meta["spike_guard"] == src_meta["spike_guard"]
+    assert yaml.safe_load((runs["torch->jax"] / "recipe.yaml").read_text())["run_dir"] == str(runs["torch->jax"])
+
+    import torch.distributed.checkpoint as dcp
+
+    keys = {
+        "q": "model.blocks.1.attn.q_proj.weight",
+        "m": "optim.state.blocks.1.attn.q_proj.weight.exp_avg",
+        "v": "optim.state.blocks.1.attn.q_proj.weight.exp_avg_sq",
+        "n": "optim.state.blocks.1.attn.q_proj.weight.step",
+    }
+    meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    torch_state = {k: torch.empty(tuple(meta[key].size)) for k, key in keys.items()}
+    dcp.load({keys[k]: t for k, t in torch_state.items()}, checkpoint_id=str(src), no_dist=True)
+    jax_state = ocp.StandardCheckpointer().restore((dst / "state").absolute())
+    adam = jax_state["opt_state"][0]
+    # JAX keeps layers stacked and kernels (in, out); torch's Linear weight is (out, in).
+    np.testing.assert_array_equal(np.asarray(jax_state["params"]["layers"]["q_proj"][1]).T, torch_state["q"].numpy())
+    np.testing.assert_array_equal(np.asarray(adam["mu"]["layers"]["q_proj"][1]).T, torch_state["m"].numpy())
+    np.testing.assert_array_equal(np.asarray(adam["nu"]["layers"]["q_proj"][1]).T, torch_state["v"].numpy())
+    assert int(adam["count"]) == int(torch_state["n"]) == SWITCH
+    assert np.abs(np.asarray(adam["nu"]["layers"]["q_proj"])).max() > 0
+
+
+def fails(capsys, args: list[str], needle: str) -> None:
+    capsys.readouterr()
+    assert convert_main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_checkpoints_that_do_not_fit_are_refused_and_nothing_is_written(runs, tmp_path, capsys):
+    torch_ckpt = ckpt(runs["torch"], SWITCH)
+    # A torch checkpoint named as a jax one.
+    fails(capsys, [f"jax-run:{torch_ckpt}", f"torch-run:{tmp_path / 'a'}"], "is a torch checkpoint, not jax")
+    # Same framework on both sides: nothing to convert.
+    fails(capsys, [f"torch-run:{torch_ckpt}", f"torch-run:{tmp_path / 'b'}"], "already a torch checkpoint")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+    # Existing target runs whose model, mixture or progress do not fit.
+    def target_run(name: str, **changes) -> Path:
+        run = tmp_path / name
+        run.mkdir()
+        recipe = yaml.safe_load((runs["torch"] / "recipe.yaml").read_text())
+        for section, values in changes.items():
+            recipe[section] = {**recipe[section], **values} if isinstance(values, dict) else values
+        recipe["run_dir"] = str(run)
+        (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+        return run
+
+    other_model = target_run("other-model", model="tiny-gqa")
+    other_mixture = target_run("other-mixture", train={"sequence_length": 128, "global_batch_tokens": 1024})
+    for run, needle in ((other_model, "n_kv_heads"), (other_mixture, "mixture")):
+        before = snapshot(run)
+        fails(capsys, [f"torch-run:{torch_ckpt}", f"jax-run:{run}"], needle)
+        assert snapshot(run) == before
+    # A jax run already past the converted step: a resume would never take the new checkpoint.
+    ahead = runs["torch->jax"]
+    before = snapshot(ahead)
+    fails(capsys, [f"torch-run:{torch_ckpt}", f"jax-run:{ahead}"], f"already has a checkpoint at step {STEPS}")
+    assert snapshot(ahead) == before
+    # A folder that is not a run dir.
+    (tmp_path / "plain").mkdir()
+    fails(capsys, [f"torch-run:{torch_ckpt}", f"jax-run:{tmp_path / 'plain'}"], "not a run dir")
+    assert not any((tmp_path / "plain").iterdir())
+    # A missing or incomplete source.
+    fails(capsys, [f"torch-run:{tmp_path / 'nothing'}", f"jax-run:{tmp_path / 'c'}"], "neither a checkpoint")
+    assert not (tmp_path / "c").exists()
+
+
+def test_converting_into_a_fitting_run_adds_a_resumable_checkpoint(runs, tmp_path):
+    """Into an existing jax run of the same recipe that is behind: the checkpoint is added."""
+    run = tmp_path / "behind"
+    run.mkdir()
+    (run / "recipe.yaml").write_text((runs["torch->jax"] / "recipe.yaml").read_text().replace(
+        str(runs["torch->jax"]), str(run)))
+    assert convert_main([f"torch-run:{ckpt(runs['torch'], SWITCH)}", f"jax-run:{run}"]) == 0
+    assert [s for s, _ in complete_checkpoints(run)] == [SWITCH]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{SWITCH:08d}"]  # no staging left
