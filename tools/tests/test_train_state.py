@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
+import torch.distributed.checkpoint as dcp
 import orbax.checkpoint as ocp
 import pytest
 import torch
@@ -100,24 +101,32 @@ def test_converted_checkpoint_carries_the_training_state(runs):
     assert dst_meta["spec"] == src_meta["spec"] and dst_meta["spike_guard"] == src_meta["spike_guard"]
     assert yaml.safe_load((runs["torch->jax"] / "recipe.yaml").read_text())["run_dir"] == str(runs["torch->jax"])
 
-    import torch.distributed.checkpoint as dcp
-
-    keys = {
-        "q": "model.blocks.1.attn.q_proj.weight",
-        "m": "optim.state.blocks.1.attn.q_proj.weight.exp_avg",
-        "v": "optim.state.blocks.1.attn.q_proj.weight.exp_avg_sq",
-        "n": "optim.state.blocks.1.attn.q_proj.weight.step",
-    }
-    meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    torch_state = {k: torch.empty(tuple(meta[key].size)) for k, key in keys.items()}
-    dcp.load({keys[k]: t for k, t in torch_state.items()}, checkpoint_id=str(src), no_dist=True)
+    # Every tensor, by a name table written out here (JAX: layers stacked, kernels (in, out);
+    # torch: one module per layer, Linear weights (out, in)).
+    layer = {"attn.q_proj": ("q_proj", True), "attn.k_proj": ("k_proj", True), "attn.v_proj": ("v_proj", True),
+             "attn.o_proj": ("o_proj", True), "attn.q_norm": ("q_norm", False), "attn.k_norm": ("k_norm", False),
+             "attn_norm": ("post_attention_norm", False), "mlp.gate_proj": ("gate_proj", True),
+             "mlp.up_proj": ("up_proj", True), "mlp.down_proj": ("down_proj", True),
+             "mlp_norm": ("post_feedforward_norm", False)}
+    pairs = {"embed": (("embed",), False), "norm": (("final_norm",), False), "lm_head": (("lm_head",), True)}
+    for i in range(4):
+        pairs.update({f"blocks.{i}.{k}": (("layers", name, i), t) for k, (name, t) in layer.items()})
     jax_state = ocp.StandardCheckpointer().restore((dst / "state").absolute())
     adam = jax_state["opt_state"][0]
-    # JAX keeps layers stacked and kernels (in, out); torch's Linear weight is (out, in).
-    np.testing.assert_array_equal(np.asarray(jax_state["params"]["layers"]["q_proj"][1]).T, torch_state["q"].numpy())
-    np.testing.assert_array_equal(np.asarray(adam["mu"]["layers"]["q_proj"][1]).T, torch_state["m"].numpy())
-    np.testing.assert_array_equal(np.asarray(adam["nu"]["layers"]["q_proj"][1]).T, torch_state["v"].numpy())
-    assert int(adam["count"]) == int(torch_state["n"]) == SWITCH
+    meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    torch_keys = {f"{kind}{local}.weight{suffix}"
+                  for local in pairs for kind, suffix in (("model.", ""), ("optim.state.", ".exp_avg"),
+                                                          ("optim.state.", ".exp_avg_sq"), ("optim.state.", ".step"))}
+    torch_state = {k: torch.empty(tuple(meta[k].size)) for k in torch_keys}
+    dcp.load(torch_state, checkpoint_id=str(src), no_dist=True)
+    for local, (path, transposed) in pairs.items():
+        for tree, key in ((jax_state["params"], f"model.{local}.weight"), (adam["mu"], f"optim.state.{local}.weight.exp_avg"),
+                          (adam["nu"], f"optim.state.{local}.weight.exp_avg_sq")):
+            value = tree[path[0]] if len(path) == 1 else tree[path[1]][path[2]]
+            value = np.asarray(value)
+            np.testing.assert_array_equal(value.T if transposed else value, torch_state[key].numpy(), err_msg=key)
+        assert int(torch_state[f"optim.state.{local}.weight.step"]) == SWITCH
+    assert int(adam["count"]) == SWITCH
     assert np.abs(np.asarray(adam["nu"]["layers"]["q_proj"])).max() > 0
 
 

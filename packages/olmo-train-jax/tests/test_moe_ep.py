@@ -151,6 +151,8 @@ def _measure() -> dict:
 
     out_ep, stats_ep = block(expert_parallel_experts(mesh_of(1, 4)))
     out_local, _ = block(local_experts)
+    data_only = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Auto,))
+    out_data, _ = block(expert_parallel_experts(data_only))
     ref_params = {"m.gate.weight": router.T.astype(np.float64)}
     for e in range(n_experts):
         ref_params[f"m.experts.{e}.gate_proj.weight"] = gate[e].T.astype(np.float64)
@@ -163,6 +165,7 @@ def _measure() -> dict:
     results["imbalanced_dropped"] = int(stats_ep.dropped)
     results["imbalanced_ep_vs_local"] = float(np.abs(np.asarray(out_ep) - np.asarray(out_local)).max())
     results["imbalanced_ep_vs_reference"] = float(np.abs(np.asarray(out_ep) - ref_out).max())
+    results["data_parallel_vs_local"] = float(np.abs(np.asarray(out_data) - np.asarray(out_local)).max())
     return results
 
 
@@ -196,6 +199,10 @@ def test_imbalanced_router_overloads_one_rank_without_dropping(measured):
     assert measured["imbalanced_dropped"] == 0
     assert measured["imbalanced_ep_vs_local"] <= 1e-5
     assert measured["imbalanced_ep_vs_reference"] <= 1e-5
+
+
+def test_data_parallel_mesh_without_expert_axis_keeps_experts_local(measured):
+    assert measured["data_parallel_vs_local"] <= 1e-5
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from olmo_model import MoESpec, SpecError, get_preset, reference
+from olmo_model import MoESpec, SpecError, get_preset, param_counts, reference
 from olmo_model.hf_moe import block_tensors_from_olmoe, olmoe_block_tensors, olmoe_config, spec_from_olmoe_config
 from olmo_train_torch.hf_adapter import CheckpointMismatchError, load_hf, model_from_hf, to_hf
 from olmo_train_torch.model import build_model
@@ -376,3 +376,32 @@ def test_olmoe_config_round_trip_and_refusals():
     with pytest.raises(SpecError, match="'experts.down_proj' has shape"):
         block_tensors_from_olmoe({"gate.weight": np.zeros((8, 64)), "experts.gate_up_proj": np.zeros((8, 128, 64)),
                                   "experts.down_proj": np.zeros((8, 64, 32))}, spec, 0)
+
+
+def test_spec_from_the_hub_olmoe_1b_7b_config_has_its_published_sizes():
+    # allenai/OLMoE-1B-7B-0924's config.json fields (the hub's, typed in here).
+    cfg = dict(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, clip_qkv=None, norm_topk_prob=False,
+        router_aux_loss_coef=0.01, pad_token_id=1, eos_token_id=50279, bos_token_id=None,
+        tie_word_embeddings=False, hidden_act="silu",
+    )
+    spec = spec_from_olmoe_config(cfg)
+    assert (spec.moe.n_experts, spec.moe.top_k, spec.moe.expert_hidden, spec.rope_theta) == (64, 8, 1024, 10000.0)
+    counts = param_counts(spec)
+    # The OLMoE paper (Muennighoff et al. 2024): 6.9B total, 1.3B active parameters.
+    assert round(counts.total / 1e9, 1) == 6.9
+    assert round(counts.active / 1e9, 1) == 1.3
+
+
+def test_router_stays_float32_under_bf16_autocast():
+    block = _block(seed=5)
+    x = torch.randn(300, 64)
+    _, fp32_stats = block(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, stats = block(x)
+    assert out.dtype == torch.bfloat16  # the experts ran in bf16 ...
+    assert stats.prob_sum.dtype == torch.float32  # ... the router did not: same routing as fp32
+    assert torch.equal(stats.tokens_per_expert, fp32_stats.tokens_per_expert)
+    torch.testing.assert_close(stats.prob_sum, fp32_stats.prob_sum, atol=0, rtol=0)

@@ -14,8 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from olmo_model import MoESpec, get_preset
-from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients
+from olmo_train_torch.expert_parallel import (
+    apply_expert_parallel,
+    ignore_in_ddp,
+    prepare_expert_parallel,
+    reduce_gradients,
+)
 from olmo_train_torch.model import build_model
 from olmo_train_torch.moe import MoE, moe_aux_losses, rank_load_max_over_mean
 
@@ -135,26 +143,33 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:])
 
 
-def _train(model, group, rank: int, world: int) -> list[float]:
-    """AdamW steps where each rank's loss is its share of the global loss and gradients
-    are summed over ranks (expert_parallel's convention); returns the global losses."""
+def _train(
+    model, group, rank: int, world: int, wrapped=None, steps: int = STEPS, expert_dp_group=None
+) -> list[float]:
+    """AdamW steps on this rank's rows of each global batch; returns the global losses.
+
+    Without ``wrapped``: each rank's loss is its share of the global loss and gradients are
+    summed over ranks (``reduce_gradients``). With ``wrapped`` (DDP or FSDP2 over the dense
+    parts, which average): the loss is scaled by the rank count, as the trainer does."""
     spec = model.spec
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    module = wrapped if wrapped is not None else model
+    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
     per = ROWS // world
     n_global = ROWS * SEQ
+    scale = world if wrapped is not None else 1
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         ids, labels = _batch(step)
         ids, labels = ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per]
-        logits, stats = model(ids, return_moe_stats=True)
+        logits, stats = module(ids, return_moe_stats=True)
         flat = logits.float().reshape(-1, logits.shape[-1])
         lse = torch.logsumexp(flat, -1)
         ce_sum = F.cross_entropy(flat, labels.reshape(-1), reduction="sum")
         z_sum = (lse * lse).sum()
         aux = moe_aux_losses(stats, group=group).weighted(spec.moe)
-        (ce_sum / n_global + spec.z_loss_weight * z_sum / n_global + aux).backward()
-        if group is not None:
-            reduce_gradients(model, group)
+        (scale * (ce_sum / n_global + spec.z_loss_weight * z_sum / n_global + aux)).backward()
+        if group is not None and wrapped is None:
+            reduce_gradients(model, group, expert_dp_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sums = torch.stack([ce_sum.detach(), z_sum.detach()])
@@ -181,3 +196,44 @@ def test_expert_parallel_training_follows_one_process_for_20_steps():
     one_losses = _train(model, None, 0, 1)
     assert one_losses[-1] < one_losses[0] - 0.5, f"the run does not learn: {one_losses}"
     _spawn(_train_worker, start, one_losses)
+
+
+# ---- expert replicas (ep < world); dense parts under DDP / FSDP2 -------------------------------------------------------------
+
+WRAPPED_STEPS = 6
+
+
+def _wrapped_worker(rank: int, port: int, model, one_losses: list[float]) -> None:
+    _init(rank, port)
+    try:
+        # ep=2 x 2 replicas: experts split over {0,1} and {2,3}, replicas summed over {0,2}, {1,3}.
+        ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        replica = copy.deepcopy(model)
+        apply_expert_parallel(replica, ep_groups[rank // 2])
+        losses = _train(replica, dist.group.WORLD, rank, EP, steps=WRAPPED_STEPS, expert_dp_group=replica_groups[rank % 2])
+        diffs = np.abs(np.array(losses) - np.array(one_losses))
+        assert diffs.max() < 1e-5, f"EP=2 x 2 replicas departs from EP=1 by {diffs.max():.2e}"
+        for mode in ("ddp", "fsdp"):
+            replica = copy.deepcopy(model)
+            experts = prepare_expert_parallel(replica, dist.group.WORLD, dp_size=EP)
+            if mode == "ddp":
+                ignore_in_ddp(replica, experts)
+                wrapped = DistributedDataParallel(replica)
+            else:
+                mesh = init_device_mesh("cpu", (EP,))
+                for block in replica.blocks:
+                    fully_shard(block, mesh=mesh, ignored_params=experts)
+                wrapped = fully_shard(replica, mesh=mesh, ignored_params=experts)
+            losses = _train(replica, dist.group.WORLD, rank, EP, wrapped=wrapped, steps=WRAPPED_STEPS)
+            diffs = np.abs(np.array(losses) - np.array(one_losses))
+            assert diffs.max() < 1e-5, f"EP=4 + {mode} departs from EP=1 by {diffs.max():.2e}: {losses} vs {one_losses}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_expert_parallel_with_replicas_and_under_ddp_and_fsdp2_follows_one_process():
+    model = build_model(get_preset("tiny-moe").replace(n_layers=2), seed=0)
+    start = copy.deepcopy(model)
+    one_losses = _train(model, None, 0, 1, steps=WRAPPED_STEPS)
+    _spawn(_wrapped_worker, start, one_losses)

@@ -92,7 +92,10 @@ def read_training_state(text: str) -> TrainingState:
     if spec.moe is not None:
         raise CheckpointError(f"{ckpt}: an MoE model ({spec.moe.n_experts} experts); the JAX trainer has no MoE, so "
                               "its training state cannot move between trainers yet")
-    recipe = recipe_from_dict(meta["recipe"], f"{ckpt}/meta.json recipe")
+    try:
+        recipe = recipe_from_dict(meta["recipe"], f"{ckpt}/meta.json recipe")
+    except RecipeError as err:
+        raise CheckpointError(str(err)) from None
     origin = f"{loc.kind}:{ckpt}"
     reader = _read_torch if framework == "torch" else _read_jax
     params, exp_avg, exp_avg_sq, count = reader(ckpt, spec, recipe)

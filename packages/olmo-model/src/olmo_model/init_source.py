@@ -134,8 +134,8 @@ def resolve_init(recipe: Recipe, spec: ModelSpec, framework: str) -> InitSource 
     theirs = meta.get("framework")
     if theirs != framework:
         raise TrainingStateError(
-            f"init.checkpoint={source}: {ckpt} is a {theirs} checkpoint and the {framework} trainer reads its own; "
-            f"convert it with `olmo-convert {theirs}-run:{ckpt} {framework}-run:OUT` and set init.checkpoint=OUT"
+            f"init.checkpoint={source}: a {theirs} checkpoint, and the {framework} trainer reads its own; convert it "
+            f"with `olmo-convert {theirs}-run:{ckpt} {framework}-run:OUT` and set init.checkpoint=OUT"
         )
     changed = weights_fit(ModelSpec.model_validate(meta["spec"]), spec, f"init.checkpoint={source} ({ckpt})")
     return InitSource(ckpt, framework, step, meta, recipe.init.load_optimizer, changed)

@@ -86,16 +86,17 @@ def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tup
 
 
 def expert_parallel_experts(mesh: Mesh) -> ExpertsFn:
-    """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis
-    (size 1: no all-to-all, each device computes its own tokens with all experts)."""
-    if EXPERT_AXIS not in mesh.axis_names:
-        raise ValueError(f"mesh axes {mesh.axis_names} have no '{EXPERT_AXIS}' axis; add one (size 1 for none)")
-    ep = mesh.shape[EXPERT_AXIS]
+    """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis.
+    Without one (or with size 1) there is no all-to-all: each device computes its own
+    tokens with all experts, which is still what a data-parallel mesh wants, since the
+    global-view ``local_experts`` would sort the tokens of every device together."""
+    ep = mesh.shape.get(EXPERT_AXIS, 1)
     token_axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
     token_shards = 1
     for a in token_axes:
         token_shards *= mesh.shape[a]
     tokens = P(token_axes)
+    expert_split = P(EXPERT_AXIS) if EXPERT_AXIS in mesh.axis_names else P()
 
     def experts_fn(x, experts, weights, w: ExpertWeights):
         n_experts = w.gate.shape[0]
@@ -113,7 +114,7 @@ def expert_parallel_experts(mesh: Mesh) -> ExpertsFn:
             body = functools.partial(_local_with_count, token_axes=token_axes)
         else:
             body = functools.partial(_ep_local, ep=ep, token_axes=token_axes)
-        expert_w = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
+        expert_w = ExpertWeights(expert_split, expert_split, expert_split)
         return jax.shard_map(
             body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P())
         )(x, experts, weights, w)
@@ -127,7 +128,8 @@ def _local_with_count(x, experts, weights, w: ExpertWeights, *, token_axes: tupl
 
 
 def apply_expert_parallel(model: OlmoModel, mesh: Mesh) -> None:
-    """Make ``model``'s MoE layers run their routed experts over ``mesh``'s expert axis."""
+    """Make ``model``'s MoE layers run their routed experts under ``mesh`` (over its expert
+    axis when it has one); call before ``nnx.split`` so the graphdef carries it."""
     if model.spec.moe is None:
         raise ValueError(f"spec '{model.spec.name}' has no moe section; expert parallelism needs an MoE spec")
     ep = mesh.shape.get(EXPERT_AXIS, 1)

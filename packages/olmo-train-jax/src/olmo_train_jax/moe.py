@@ -172,6 +172,19 @@ def aux_loss(stats: MoEStats, moe: MoESpec, routing: str = "learned") -> jax.Arr
     return moe.load_balancing_loss_weight * stats.load_balancing + moe.router_z_loss_weight * stats.router_z
 
 
+def moe_metrics(stats: MoEStats, ep_size: int) -> dict[str, float | int | list[int]]:
+    """The MoE keys of a train line (the contract shared with the Torch trainer) from one
+    step's stats: counts summed over MoE layers, per expert-rank load, losses unweighted."""
+    counts = np.asarray(jax.device_get(stats.tokens_per_expert)).astype(np.int64)
+    return {
+        "moe_tokens_per_expert": counts.tolist(),
+        "moe_rank_load_max_over_mean": rank_load_max_over_mean(counts, ep_size),
+        "moe_dropped_tokens": int(stats.dropped),
+        "moe_lb_loss": float(stats.load_balancing),
+        "moe_router_z_loss": float(stats.router_z),
+    }
+
+
 def rank_load_max_over_mean(tokens_per_expert: np.ndarray, ep_size: int) -> float:
     """Per expert-parallel rank (contiguous blocks of E/ep experts): the assignments it
     computes over their mean; 1.0 is perfect balance, ep_size the worst case."""

@@ -21,13 +21,18 @@ Both all-to-alls are autograd functions whose backward is the opposite all-to-al
 expert gradients collect the contributions of every rank's tokens. gloo (CPU) supports
 ``all_to_all_single`` with uneven splits in torch 2.15 (checked), NCCL does on GPU.
 
-Gradient convention (``reduce_gradients``): each rank's loss is its share of the global
-loss (its tokens' CE over the global token count, plus the aux losses whose gradient
-flows through its own tokens, ``moe.moe_aux_losses``); dense gradients are then summed
-over the data-parallel group, and expert gradients over the ranks that hold the same
-experts (``expert_dp_group``; None when ep equals the data-parallel size). A trainer
-using DDP/FSDP (which average) scales its loss by the data-parallel size instead and
-must then divide expert gradients by the same factor.
+Two gradient conventions:
+
+- summed (``reduce_gradients``, no wrapper): each rank's loss is its share of the global
+  loss (its tokens' CE over the global token count, plus the aux losses whose gradient
+  flows through its own tokens, ``moe.moe_aux_losses``); dense gradients are summed over
+  the data-parallel group, expert gradients over the ranks that hold the same experts
+  (``expert_dp_group``; None when ep equals the data-parallel size);
+- averaged (DDP / FSDP2 on the dense parts, ``prepare_expert_parallel``): each rank's loss
+  is scaled by the data-parallel size and the wrapper averages dense gradients; the expert
+  weights are left out of the wrapper (``ignored_params``) and a gradient hook divides
+  their incoming gradients by the data-parallel size (and sums them over
+  ``expert_dp_group``), which gives the same gradients.
 """
 
 from __future__ import annotations
@@ -116,6 +121,38 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
             full = getattr(experts, name)
             setattr(experts, name, nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad))
         moe.dispatcher = dispatcher
+
+
+def prepare_expert_parallel(
+    model: nn.Module, ep_group, dp_size: int, expert_dp_group=None
+) -> set[nn.Parameter]:
+    """Expert parallelism under a data-parallel wrapper that averages gradients over
+    ``dp_size`` ranks (the averaged convention in the module doc): shard the experts over
+    ``ep_group`` and hook their gradients. Returns the expert parameters, which the wrapper
+    must ignore: ``fully_shard(..., ignored_params=...)`` or ``ignore_in_ddp``."""
+    apply_expert_parallel(model, ep_group)
+    params = set(expert_parameters(model))
+
+    def to_sum(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad / dp_size
+        if expert_dp_group is not None:
+            dist.all_reduce(grad, group=expert_dp_group)
+        return grad
+
+    for p in params:
+        # A hook on the incoming gradient (not post-accumulate): with gradient accumulation
+        # each micro-step's share is scaled once.
+        p.register_hook(to_sum)
+    return params
+
+
+def ignore_in_ddp(model: nn.Module, params: set[nn.Parameter]) -> None:
+    """Tell a DistributedDataParallel built afterwards on ``model`` to leave ``params`` alone."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = {id(p) for p in params}
+    names = [name for name, p in model.named_parameters() if id(p) in ids]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -142,6 +142,15 @@ class GroupedExperts(nn.Module):
     def forward(self, xs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """``xs`` [N, d] sorted by expert, ``group_sizes`` [n] -> SwiGLU outputs [N, d]."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        device = xs.device.type
+        if torch.is_autocast_enabled(device):
+            # torch._grouped_mm is not on autocast's list: cast as F.linear would be cast.
+            dtype = torch.get_autocast_dtype(device)
+            xs, gate, up, down = (t.to(dtype) for t in (xs, gate, up, down))
+        elif gate.dtype != xs.dtype:
+            # Expert weights left out of FSDP2's mixed precision (expert parallel) stay in
+            # fp32 while the activations arrive in its param dtype: compute in the latter.
+            gate, up, down = (t.to(xs.dtype) for t in (gate, up, down))
         if self.mxfp8:
             # Each matmul reduces over the last axis of both operands: d for gate/up, hidden for down.
             gate = _straight_through(gate, mxfp8_quantize(gate, -1))
@@ -358,6 +367,16 @@ def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
         zs.append(z_sum / n)
         counts.append(count.round().long())
     return MoEAux(torch.stack(lbs).mean(), torch.stack(zs).mean(), torch.stack(counts).sum(0), torch.stack(dropped).sum().round().long())
+
+
+def merge_micro_steps(terms: list[MoEAux]) -> MoEAux:
+    """One step's aux over its accumulation micro-steps: losses averaged, counts summed."""
+    return MoEAux(
+        torch.stack([t.load_balancing.detach() for t in terms]).mean(),
+        torch.stack([t.router_z.detach() for t in terms]).mean(),
+        torch.stack([t.tokens_per_expert for t in terms]).sum(0),
+        torch.stack([t.dropped_tokens for t in terms]).sum(),
+    )
 
 
 def rank_load_max_over_mean(tokens_per_expert: torch.Tensor, ep_size: int) -> float:

@@ -61,6 +61,7 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import load_hf
 from .model import RMSNorm, build_model
+from .moe import merge_micro_steps, moe_aux_losses, moe_step_metrics
 from .parallelize import (
     Distributed,
     autocast_context,
@@ -152,6 +153,7 @@ class StepStats:
     z_loss: float
     grad_norm: float
     skipped: bool
+    moe: dict[str, Any] | None = None  # MoE specs: the moe_* keys of the train line (H9, issue 8)
 
 
 def train_step(
@@ -176,18 +178,33 @@ def train_step(
     scale = (d.world_size / n_global).to(torch.float32)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     micro = layout.per_device_batch
+    moe_terms = []  # H9 (issue 8): per micro-step MoE aux losses of the global micro-batch
+    moe_group = dist.group.WORLD if d.initialized and d.world_size > 1 else None
     for i in range(layout.accumulation_steps):
         rows = slice(i * micro, (i + 1) * micro)
         with gradient_sync(model, i == layout.accumulation_steps - 1):
             with autocast_context(model, recipe.train.precision, device):
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
-                logits = model(tensors["input_ids"][rows], doc_ids)
+                out = model(tensors["input_ids"][rows], doc_ids, return_moe_stats=spec.moe is not None)
+                logits, moe_stats = out if spec.moe is not None else (out, [])
             ce, z = token_loss_sums(logits, tensors["labels"][rows])
-            ((ce + spec.z_loss_weight * z) * scale).backward()
+            step_loss = (ce + spec.z_loss_weight * z) * scale
+            if moe_stats:
+                # Global values, gradient through this rank's tokens: scaled by the rank count
+                # like the CE (the wrapper averages), averaged over micro-steps.
+                aux = moe_aux_losses(moe_stats, group=moe_group)
+                step_loss = step_loss + aux.weighted(spec.moe) * (d.world_size / layout.accumulation_steps)
+                moe_terms.append(aux)
+            step_loss.backward()
         sums += torch.stack([ce.detach(), z.detach()]).double()
     d.all_reduce_sum(sums)
     ce_mean, z_mean = (sums / n_global).tolist()
     loss = ce_mean + spec.z_loss_weight * z_mean
+    moe = None
+    if moe_terms:
+        merged = merge_micro_steps(moe_terms)
+        loss += float(merged.weighted(spec.moe))
+        moe = moe_step_metrics(merged, ep_size=1)  # no expert parallelism in the trainer yet
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = grad_global_norm(params)
@@ -195,7 +212,7 @@ def train_step(
     skipped = guard.should_skip(loss, grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss, ce_mean, z_mean, grad_norm, True)
+        return StepStats(loss, ce_mean, z_mean, grad_norm, True, moe)
     guard.record(loss, grad_norm)
     if recipe.optim.grad_clip is not None:
         torch.nn.utils.clip_grads_with_norm_(params, recipe.optim.grad_clip, norm, foreach=True)
@@ -203,7 +220,7 @@ def train_step(
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, ce_mean, z_mean, grad_norm, False)
+    return StepStats(loss, ce_mean, z_mean, grad_norm, False, moe)
 
 
 def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
@@ -518,6 +535,8 @@ def train(recipe: Recipe) -> Path:
                     "time": time.time() - started,
                     "batch_digest": digest,
                 }
+                if stats.moe is not None:
+                    record.update(stats.moe)
                 if cuda:
                     record["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
                 metrics.write(record)

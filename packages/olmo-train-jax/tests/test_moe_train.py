@@ -1,0 +1,74 @@
+"""``olmo-train-jax`` on an MoE spec (tiny-moe, CPU, fp32): the real entry point for 20 steps
+on one device and on 4 (data 2 x fsdp 2); the loss curves (CE + z-loss + the MoE aux
+losses over the global micro-batch) agree within 1e-5 and the train lines carry the MoE
+metrics of the contract.
+
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_train.py -p no:xdist -q
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from olmo_model import get_preset
+from olmo_model.runlog import TRAIN_KEYS, read_metrics
+from olmo_train_jax.cli import main
+
+# The trainer tests' synthetic mixture and run helpers (pytest runs with --import-mode=importlib,
+# which puts no test folder on sys.path).
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train import STEPS, run_subprocess, train_losses, write_mixture  # noqa: E402
+
+MOE_KEYS = (
+    "moe_tokens_per_expert", "moe_rank_load_max_over_mean", "moe_dropped_tokens", "moe_lb_loss", "moe_router_z_loss",
+)
+# 16 sequences of 64 tokens per step, no accumulation on either layout, so each step's
+# micro-batch (over which the aux losses are taken) is the same 1024 tokens.
+MOE_BASE = [
+    "--model=tiny-moe", "--train.global_batch_tokens=1024", f"--train.steps={STEPS}", "--train.precision=fp32",
+    "--checkpoint.every=20", "--eval.every=20", "--log.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    return write_mixture(tmp_path_factory.mktemp("mixture"))
+
+
+@pytest.fixture(scope="module")
+def one_device_run(mixture, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "moe-one"
+    assert main([*MOE_BASE, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+def test_moe_metrics_in_the_train_lines(one_device_run):
+    spec = get_preset("tiny-moe")
+    train = [r for r in read_metrics(one_device_run) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for r in train:
+        assert tuple(r) == TRAIN_KEYS + MOE_KEYS
+        assert len(r["moe_tokens_per_expert"]) == spec.moe.n_experts
+        # Every (token, slot) of every MoE layer is counted once: layers x tokens x top-k.
+        assert sum(r["moe_tokens_per_expert"]) == spec.n_layers * 1024 * spec.moe.top_k
+        assert r["moe_dropped_tokens"] == 0
+        assert r["moe_rank_load_max_over_mean"] == 1.0  # one expert rank
+        # lb = E * sum f_e P_e is 1 for a perfectly balanced router and at most E.
+        assert 0.9 < r["moe_lb_loss"] < spec.moe.n_experts
+        assert r["moe_router_z_loss"] > 0
+    assert train[-1]["loss"] < train[0]["loss"]
+
+
+def test_four_devices_match_one_device(mixture, one_device_run, tmp_path):
+    run_dir = tmp_path / "moe-four"
+    done = run_subprocess(
+        [*MOE_BASE, "--jax.mesh.data=2", "--jax.mesh.fsdp=2", f"--data.mixture={mixture}", f"--run_dir={run_dir}"],
+        devices=4,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, four = train_losses(one_device_run), train_losses(run_dir)
+    assert sorted(four) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert abs(one[s] - four[s]) <= 1e-5, (s, one[s], four[s])

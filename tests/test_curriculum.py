@@ -1,0 +1,205 @@
+"""The Olmo 3 curriculum at toy scale (issue 9 item 2), end to end in either trainer.
+
+recipes/toy/stage1.yaml -> stage2.yaml (init from stage 1's latest checkpoint, weights only,
+linear anneal) -> stage3.yaml (sequence 128 instead of 64, YaRN on the global layers), run
+exactly as written (from a scratch working dir, so their ``runs/...`` paths resolve there).
+
+- Stage 2 really starts from stage 1's weights: its step-1 loss equals transformers'
+  Olmo3ForCausalLM loss of stage 1's final weights on stage 2's first batch, far below a fresh
+  model's ln(4096) = 8.32.
+- Stage 3 really uses YaRN: its step-1 loss equals transformers' loss with the same YaRN rope
+  parameters (and not the plain-RoPE loss), and YaRN's logits differ from plain RoPE's beyond
+  the original 64-token context.
+- Weights only means a fresh AdamW (its step count restarts); init.load_optimizer carries it on.
+The framework-neutral resolution of ``init.checkpoint`` (olmo_model.init_source) is tested
+directly at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from olmo_data import MixtureLoader, load_mixture
+from olmo_model import hf_config, load_spec
+from olmo_model.init_source import resolve_checkpoint, resolve_init
+from olmo_model.recipe import load_recipe
+from olmo_model.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, read_metrics, training_meta
+from olmo_tools.train_state import read_training_state
+from olmo_train_jax.cli import main as jax_main
+from olmo_train_torch.cli import main as torch_main
+from olmo_train_torch.train import mixture_at
+from transformers import Olmo3Config, Olmo3ForCausalLM
+
+transformers.logging.set_verbosity_error()  # YaRN factor != max_pos / original context warns; intended
+
+TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy"
+TRAINERS = {"torch": torch_main, "jax": jax_main}
+RUN_ARGS = ["--log.progress=false", "--torch.parallel=none", "--checkpoint.async_save=false"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # Two cores shared by many processes: one intra-op thread is several times faster here.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run_stage(framework: str, stage: int, *extra: str) -> None:
+    assert TRAINERS[framework]([str(TOY / f"stage{stage}.yaml"), *RUN_ARGS, *extra]) == 0
+
+
+@pytest.fixture(scope="module", params=["torch", "jax"])
+def curriculum(request, tmp_path_factory):
+    """All three stages in one trainer, run from a scratch working dir; yields (framework, root)."""
+    framework = request.param
+    root = tmp_path_factory.mktemp(f"curriculum-{framework}")
+    here = Path.cwd()
+    os.chdir(root)
+    try:
+        for stage in (1, 2, 3):
+            run_stage(framework, stage)
+        # Stage 2 again for 2 steps, taking stage 1's AdamW state too.
+        run_stage(framework, 2, "--init.load_optimizer=true", "--train.steps=2", "--run_dir=runs/stage2-with-optimizer")
+    finally:
+        os.chdir(here)
+    yield framework, root
+
+
+def first_loss(run: Path) -> float:
+    return next(r["loss"] for r in read_metrics(run) if r["kind"] == "train" and r["step"] == 1)
+
+
+def reference_model(spec, params: dict[str, np.ndarray]) -> Olmo3ForCausalLM:
+    cfg = Olmo3Config(**hf_config(spec))
+    cfg._attn_implementation = "eager"
+    model = Olmo3ForCausalLM(cfg).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=True)
+    return model
+
+
+def first_batch(sequence_length: int, sequences: int) -> dict[str, np.ndarray]:
+    return MixtureLoader(mixture_at(load_mixture("sample"), sequence_length), sequences, prefetch=0).batch_at(0)
+
+
+def reference_logits(model: Olmo3ForCausalLM, batch) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.from_numpy(batch["input_ids"].astype(np.int64))).logits.double()
+
+
+def reference_loss(logits: torch.Tensor, batch, z_loss_weight: float) -> float:
+    """CE + z_loss_weight * logsumexp^2, means over the valid labels, in float64."""
+    labels = torch.from_numpy(batch["labels"].astype(np.int64))
+    valid = labels != -100
+    lse = torch.logsumexp(logits, -1)
+    target = logits.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+    return ((lse - target)[valid]).mean().item() + z_loss_weight * (lse[valid] ** 2).mean().item()
+
+
+def test_stage2_starts_from_stage1_weights(curriculum):
+    framework, root = curriculum
+    stage1 = read_training_state(f"{framework}-run:{root / 'runs/toy-stage1'}")
+    assert stage1.step == 20
+    spec = load_recipe(TOY / "stage2.yaml").model_spec()
+    batch = first_batch(64, 8)
+    expected = reference_loss(reference_logits(reference_model(spec, stage1.params), batch), batch, spec.z_loss_weight)
+    got = first_loss(root / "runs/toy-stage2")
+    assert got == pytest.approx(expected, abs=1e-4)
+    assert got < math.log(spec.vocab_size) - 0.7  # a fresh model starts at ln(4096) = 8.32
+    # The stage-2 schedule is its own: a linear anneal from its peak to 0 over its 6 steps.
+    lrs = [r["lr"] for r in read_metrics(root / "runs/toy-stage2") if r["kind"] == "train"]
+    assert lrs == pytest.approx([2e-3 * (1 - (s - 1) / 6) for s in range(1, 7)])
+
+
+def test_weights_only_restarts_adam_and_load_optimizer_continues_it(curriculum):
+    framework, root = curriculum
+    assert read_training_state(f"{framework}-run:{root / 'runs/toy-stage2'}").adam_count == 6
+    assert read_training_state(f"{framework}-run:{root / 'runs/toy-stage3'}").adam_count == 4
+    carried = read_training_state(f"{framework}-run:{root / 'runs/stage2-with-optimizer'}")
+    assert carried.step == 2 and carried.adam_count == 20 + 2
+    # Its first step used stage 1's weights too.
+    assert first_loss(root / "runs/stage2-with-optimizer") == pytest.approx(first_loss(root / "runs/toy-stage2"), abs=1e-6)
+
+
+def test_stage3_trains_longer_sequences_with_yarn(curriculum):
+    framework, root = curriculum
+    stage2 = read_training_state(f"{framework}-run:{root / 'runs/toy-stage2'}")
+    spec = load_recipe(TOY / "stage3.yaml").model_spec()
+    assert spec.yarn is not None and spec.yarn.original_max_position_embeddings == 64
+    train = [r for r in read_metrics(root / "runs/toy-stage3") if r["kind"] == "train"]
+    assert [r["tokens_seen"] for r in train] == [s * 8 * 128 for s in range(1, 5)]
+
+    batch = first_batch(128, 8)
+    with_yarn = reference_logits(reference_model(spec, stage2.params), batch)
+    plain = reference_logits(reference_model(spec.replace(yarn=None), stage2.params), batch)
+    beyond = (with_yarn[:, 64:] - plain[:, 64:]).abs().max().item()
+    assert beyond > 1e-2  # YaRN changes the model beyond the original context
+    loss_yarn = reference_loss(with_yarn, batch, spec.z_loss_weight)
+    loss_plain = reference_loss(plain, batch, spec.z_loss_weight)
+    got = first_loss(root / "runs/toy-stage3")
+    assert got == pytest.approx(loss_yarn, abs=1e-4)
+    assert abs(got - loss_plain) > 10 * abs(got - loss_yarn)
+    evals = [r for r in read_metrics(root / "runs/toy-stage3") if r["kind"] == "eval"]
+    assert evals and all(v["tokens"] == 16 * 128 for v in evals[-1]["eval"].values())
+
+
+# ---- olmo_model.init_source: resolving init.checkpoint -------------------------------------------
+
+def fake_checkpoint(run: Path, step: int, framework: str, spec_name: str = "tiny") -> Path:
+    recipe = load_recipe(None, [f"--model={spec_name}", f"--run_dir={run}"])
+    ckpt = checkpoint_dir(run, step)
+    ckpt.mkdir(parents=True)
+    loader = {"fingerprint": "x", "seed": 0, "step": step, "tokens_consumed": 0}
+    commit_checkpoint(ckpt, training_meta(framework, step, recipe.model_spec(), recipe, loader))
+    return ckpt
+
+
+def test_latest_and_run_dirs_resolve_to_the_newest_complete_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    fake_checkpoint(run, 10, "jax")
+    newest = fake_checkpoint(run, 20, "jax")
+    checkpoint_dir(run, 30).mkdir()  # a save that never finished (no meta.json)
+    assert resolve_checkpoint(run / "checkpoints" / "latest") == (20, newest)
+    assert resolve_checkpoint(run) == (20, newest)
+    assert resolve_checkpoint(newest) == (20, newest)
+    with pytest.raises(TrainingStateError, match="save never finished"):
+        resolve_checkpoint(checkpoint_dir(run, 30))
+    with pytest.raises(TrainingStateError, match="has no complete checkpoint yet; run that stage first"):
+        resolve_checkpoint(tmp_path / "empty" / "checkpoints" / "latest")
+
+
+def test_init_refuses_what_does_not_fit(tmp_path):
+    ckpt = fake_checkpoint(tmp_path / "run", 5, "torch")
+    spec = load_spec("tiny")
+
+    def recipe(*extra: str):
+        return load_recipe(None, ["--model=tiny", *extra])
+
+    with pytest.raises(TrainingStateError, match=r"a torch checkpoint, and the jax trainer reads its own; convert it with `olmo-convert torch-run:"):
+        resolve_init(recipe(f"--init.checkpoint={ckpt}"), spec, "jax")
+    with pytest.raises(TrainingStateError, match=r"differs from the recipe's in 'n_kv_heads'"):
+        resolve_init(recipe(f"--init.checkpoint={ckpt}"), load_spec("tiny-gqa"), "torch")
+    with pytest.raises(ValueError, match="HF folder holds no optimizer state"):
+        resolve_init(recipe("--init.checkpoint=hf:x", "--init.load_optimizer=true"), spec, "torch")
+    with pytest.raises(ValueError, match="without init.checkpoint"):
+        resolve_init(recipe("--init.load_optimizer=true"), spec, "torch")
+    # A change that keeps every parameter (stage 3's YaRN) is allowed, and named.
+    yarn = load_spec("tiny").replace(yarn={"factor": 2.0, "original_max_position_embeddings": 64})
+    source = resolve_init(recipe(f"--init.checkpoint={tmp_path / 'run'}"), yarn, "torch")
+    assert source.step == 5 and source.changed == ("yarn",) and not source.load_optimizer
+    # An HF folder: its config.json decides.
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "config.json").write_text(json.dumps(hf_config(load_spec("tiny-gqa"))))
+    with pytest.raises(TrainingStateError, match="n_kv_heads"):
+        resolve_init(recipe(f"--init.checkpoint=hf:{hf}"), spec, "jax")
+    assert resolve_init(recipe(f"--init.checkpoint=hf:{hf}"), load_spec("tiny-gqa"), "jax").is_hf
