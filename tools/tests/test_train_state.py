@@ -122,8 +122,7 @@ def test_converted_checkpoint_carries_the_training_state(runs):
     for local, (path, transposed) in pairs.items():
         for tree, key in ((jax_state["params"], f"model.{local}.weight"), (adam["mu"], f"optim.state.{local}.weight.exp_avg"),
                           (adam["nu"], f"optim.state.{local}.weight.exp_avg_sq")):
-            value = tree[path[0]] if len(path) == 1 else tree[path[1]][path[2]]
-            value = np.asarray(value)
+            value = np.asarray(tree[path[0]] if len(path) == 1 else tree[path[0]][path[1]][path[2]])
             np.testing.assert_array_equal(value.T if transposed else value, torch_state[key].numpy(), err_msg=key)
         assert int(torch_state[f"optim.state.{local}.weight.step"]) == SWITCH
     assert int(adam["count"]) == SWITCH

@@ -142,7 +142,7 @@ def main() -> None:
     for name, r in results.items():
         table.add_row(name, f"{r['step_s']:.2f}", f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}",
                       f"{r['vs_transformers']:.2f}x", f"{r['first_step_s']:.1f}")
-    Console().print(table)
+    Console(width=140).print(table)
     print(f"compile time (first compiled step - eager step): {results['olmo-train-torch compile']['compile_s']:.1f} s")
     print(olmo_core_note)
 

@@ -216,12 +216,13 @@ def _wrapped_worker(rank: int, port: int, model, one_losses: list[float]) -> Non
         assert diffs.max() < 1e-5, f"EP=2 x 2 replicas departs from EP=1 by {diffs.max():.2e}"
         for mode in ("ddp", "fsdp"):
             replica = copy.deepcopy(model)
-            experts = prepare_expert_parallel(replica, dist.group.WORLD, dp_size=EP)
+            mesh = init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",))
+            # The expert-parallel axis as a process group (DDP case) or as a DeviceMesh (FSDP2).
+            experts = prepare_expert_parallel(replica, dist.group.WORLD if mode == "ddp" else mesh, dp_size=EP)
             if mode == "ddp":
                 ignore_in_ddp(replica, experts)
                 wrapped = DistributedDataParallel(replica)
             else:
-                mesh = init_device_mesh("cpu", (EP,))
                 for block in replica.blocks:
                     fully_shard(block, mesh=mesh, ignored_params=experts)
                 wrapped = fully_shard(replica, mesh=mesh, ignored_params=experts)

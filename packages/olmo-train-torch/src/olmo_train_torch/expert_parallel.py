@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .moe import GroupedExperts, moe_modules
 
@@ -109,8 +110,11 @@ class ExpertParallelDispatcher:
 
 def apply_expert_parallel(model: nn.Module, group) -> None:
     """Keep this rank's contiguous slice of every MoE layer's experts and route tokens
-    through ``group`` (the expert-parallel process group). Call it after the weights are
-    initialised or loaded (every rank must hold the same full weights at that point)."""
+    through ``group``: the expert-parallel process group, or a 1-D DeviceMesh (e.g.
+    ``mesh["ep"]`` of a ``(edp, ep)`` mesh). Call it after the weights are initialised or
+    loaded (every rank must hold the same full weights at that point)."""
+    if isinstance(group, DeviceMesh):
+        group = group.get_group()
     rank = dist.get_rank(group)
     for moe in moe_modules(model):
         dispatcher = ExpertParallelDispatcher(group, moe.spec.n_experts)

@@ -9,7 +9,13 @@ Maths (the contract shared with the JAX trainer and ``olmo_model.reference``):
 - dropless: every (token, slot) assignment is computed. The assignments are sorted by
   expert (a stable argsort, so the order inside a group is the token order), the group
   sizes are counted with ``scatter_add`` (no host sync, unlike ``bincount`` on CUDA) and
-  each of the three SwiGLU matmuls is ONE grouped GEMM over the variable-size groups.
+  each of the three SwiGLU matmuls is ONE grouped GEMM over the variable-size groups;
+  the outputs go back to (token, slot) order and are summed over the k slots.
+
+Host syncs on GPU: none on the local path with ``grouped_mm`` (shapes are static: T*k
+rows; group ends stay on the device). They remain in the ``loop`` backend (group sizes),
+in expert parallelism (all-to-all split sizes, ``expert_parallel``) and where metrics are
+read (``moe_step_metrics``, once per logged step).
 
 Routing modes (a runtime knob, never in the spec; ``configure_moe``):
 ``learned`` (above); ``random``: the scores are i.i.d. uniform numbers from a torch
@@ -42,7 +48,7 @@ builds those); Hopper (H100/H200) has FP8 tensor cores but no MX block scaling.
 
 Aux losses need the whole global micro-batch (every data-parallel rank), so the block
 only returns this rank's ``RoutingStats``; ``moe_aux_losses`` reduces them (one
-all-reduce of E+2 numbers per layer) outside the model.
+all-reduce of 2E+3 numbers per layer) outside the model.
 """
 
 from __future__ import annotations
