@@ -24,6 +24,7 @@ from olmo_train_torch.moe import (
     moe_step_metrics,
     mxfp8_quantize,
     rank_load_max_over_mean,
+    top_k_lowest_index_on_ties,
 )
 
 SEQ = 48  # longer than tiny's window of 32: sliding and global layers both matter
@@ -405,3 +406,13 @@ def test_router_stays_float32_under_bf16_autocast():
     assert stats.prob_sum.dtype == torch.float32  # ... the router did not: same routing as fp32
     assert torch.equal(stats.tokens_per_expert, fp32_stats.tokens_per_expert)
     torch.testing.assert_close(stats.prob_sum, fp32_stats.prob_sum, atol=0, rtol=0)
+
+
+def test_top_k_takes_the_lower_index_among_ties_like_a_stable_sort():
+    rng = np.random.default_rng(7)
+    scores = rng.integers(0, 4, size=(500, 16)).astype(np.float32) / 4  # four levels: ties everywhere
+    scores[0] = 0.5  # a row of equal scores
+    got = top_k_lowest_index_on_ties(torch.from_numpy(scores), 4).numpy()
+    want = np.sort(np.argsort(-scores, axis=-1, kind="stable")[:, :4], axis=-1)
+    np.testing.assert_array_equal(got, want)
+    assert got[0].tolist() == [0, 1, 2, 3]

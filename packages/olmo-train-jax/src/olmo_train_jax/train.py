@@ -11,6 +11,9 @@ What one optimizer step s (1-based) does, identically to the Torch trainer:
   attention stays inside each document only with ``train.document_masking``;
 - loss = (sum of token CE + z_loss_weight x sum of logsumexp^2) / (valid tokens in the GLOBAL
   batch), so the value and the gradient do not depend on the device count or accumulation;
+- MoE specs (H10, issue 8) add ``moe.aux_loss`` (load balancing + router z-loss) of each
+  micro-step's global micro-batch, averaged over the micro-steps; the routed experts run per
+  device under ``expert_parallel.apply_expert_parallel``; the train line gains the moe_* keys;
 - grad norm: global L2 over all gradients in float32, clipped by torch's clip_grad_norm_
   formula scale = min(1, clip / (norm + 1e-6)); the logged norm is the one before clipping;
 - AdamW (optax's scale_by_adam + add_decayed_weights, decoupled; no decay on the input
@@ -68,8 +71,10 @@ from olmo_model.runlog import (
 
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
+from .expert_parallel import apply_expert_parallel
 from .hf_adapter import model_from_hf, validate_hf
 from .model import build_model
+from .moe import MoEStats, aux_loss, moe_metrics
 
 FRAMEWORK = "jax"
 IGNORE_INDEX = -100
@@ -145,23 +150,39 @@ def make_step_functions(
     replicated = NamedSharding(mesh, P())
     batch_sh = sharding.batch_sharding(mesh)
 
-    def micro_loss(params, input_ids, labels, doc_ids, n_tokens):
-        logits = nnx.merge(graphdef, params)(input_ids, doc_ids if masking else None)
+    def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation):
+        logits, moe_stats = nnx.merge(graphdef, params).forward_with_aux(input_ids, doc_ids if masking else None)
         ce, z, _ = token_loss_sums(logits, labels)
-        return (ce + z_weight * z) / n_tokens, (ce, z)
+        loss = (ce + z_weight * z) / n_tokens
+        if moe_stats is not None:
+            # H10 (issue 8): each micro-step's aux losses cover its global micro-batch; the
+            # step's aux term is their mean over micro-steps (as the Torch trainer does).
+            loss = loss + aux_loss(moe_stats, spec.moe) / accumulation
+        return loss, (ce, z, moe_stats)
 
     def grads_and_stats(params, batch):
         # Normalise by the valid tokens of the whole global batch (all micro-steps, all devices).
         n_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32), 1.0)
+        accumulation = batch["labels"].shape[0]
         grad_fn = jax.grad(micro_loss, has_aux=True)
 
         def micro_step(carry, micro):
-            acc, ce_sum, z_sum = carry
-            g, (ce, z) = grad_fn(params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens)
-            return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z), None
+            acc, ce_sum, z_sum, moe_sum = carry
+            g, (ce, z, moe_stats) = grad_fn(
+                params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens, accumulation
+            )
+            if moe_stats is not None:
+                moe_sum = jax.tree.map(jnp.add, moe_sum, moe_stats)
+            return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z, moe_sum), None
 
         zero = jax.tree.map(jnp.zeros_like, params)
-        (grads, ce, z), _ = jax.lax.scan(micro_step, (zero, jnp.float32(0), jnp.float32(0)), batch)
+        moe_zero = None
+        if spec.moe is not None:
+            counts = jnp.zeros(spec.moe.n_experts, jnp.int32)
+            moe_zero = MoEStats(jnp.float32(0), jnp.float32(0), counts, jnp.int32(0))
+        (grads, ce, z, moe_sum), _ = jax.lax.scan(
+            micro_step, (zero, jnp.float32(0), jnp.float32(0), moe_zero), batch
+        )
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)
         stats = {
             "loss": (ce + z_weight * z) / n_tokens,
@@ -169,6 +190,13 @@ def make_step_functions(
             "z_loss": z / n_tokens,
             "grad_norm": global_norm(grads),
         }
+        if moe_sum is not None:
+            # Losses: mean over micro-steps; counts and drops: summed over the whole step.
+            moe_step = moe_sum._replace(
+                load_balancing=moe_sum.load_balancing / accumulation, router_z=moe_sum.router_z / accumulation
+            )
+            stats["loss"] = stats["loss"] + aux_loss(moe_step, spec.moe)
+            stats["moe"] = moe_step
         return grads, stats
 
     def apply_update(params, opt_state, grads, grad_norm, lr):
@@ -191,6 +219,8 @@ def make_step_functions(
 
     batch_in = {k: batch_sh for k in BATCH_KEYS}
     stats_out = {k: replicated for k in ("loss", "ce_loss", "z_loss", "grad_norm")}
+    if spec.moe is not None:
+        stats_out["moe"] = MoEStats(replicated, replicated, replicated, replicated)
     return StepFunctions(
         grads=jax.jit(
             grads_and_stats, in_shardings=(params_sharding, batch_in), out_shardings=(params_sharding, stats_out)
@@ -414,7 +444,11 @@ def train(recipe: Recipe) -> Path:
 
     compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
     make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat)
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(make_model))
+    abstract_model = nnx.eval_shape(make_model)
+    if spec.moe is not None:
+        # H10 (issue 8): routed experts per device under shard_map (all-to-all over an expert axis).
+        apply_expert_parallel(abstract_model, mesh)
+    graphdef, abstract_state = nnx.split(abstract_model)
     abstract_params = nnx.to_pure_dict(abstract_state)
     params_sh = sharding.param_shardings(abstract_params, spec, mesh)
     tx = make_optimizer(abstract_params, recipe)
@@ -492,6 +526,7 @@ def train(recipe: Recipe) -> Path:
             else:
                 params, opt_state, stats = fns.fused(params, opt_state, batch, lr_arg)
                 skipped = False
+            moe_step = stats.pop("moe", None)
             values = {k: float(v) for k, v in stats.items()}
             step_time = time.perf_counter() - t0
             tps = tokens_per_step / step_time
@@ -514,6 +549,8 @@ def train(recipe: Recipe) -> Path:
                     "step_time": step_time,
                     "time": time.time() - started,
                 }
+                if moe_step is not None:  # H10 (issue 8): the contract's moe_* keys
+                    record.update(moe_metrics(moe_step, ep_size=mesh.shape.get("expert", 1)))
                 metrics.write(record)
                 console.line(
                     f"step {step}/{total} loss {values['loss']:.4f} lr {lr:.3e} grad_norm {values['grad_norm']:.3f}"
