@@ -238,11 +238,6 @@ def test_remat_policies_change_what_is_saved_not_the_gradients():
         build_model(spec, remat="full")
 
 
-def test_moe_spec_is_refused_naming_issue_8():
-    with pytest.raises(NotImplementedError, match="issue 8"):
-        build_model(get_preset("tiny-moe"))
-
-
 def test_adapter_round_trip_is_exact():
     spec, model, _, _ = _built("tiny-gqa")
     tensors = to_hf(model, spec)

@@ -28,8 +28,10 @@ BASE = [
     "--model=tiny", "--train.global_batch_tokens=1024", f"--train.steps={STEPS}", "--train.precision=fp32",
     "--checkpoint.every=10", "--eval.every=10", "--log.progress=false",
 ]
-# 8 devices: every mesh axis in use, and 2 accumulation micro-steps of 2 sequences per device.
-EIGHT = ["--jax.mesh.data=2", "--jax.mesh.fsdp=2", "--jax.mesh.tensor=2", "--train.micro_batch_size=2"]
+# 8 devices: data 4 x fsdp 2 (sharded weights and AdamW state), 2 sequences per device.
+EIGHT = ["--jax.mesh.data=4", "--jax.mesh.fsdp=2", "--train.micro_batch_size=2"]
+# The elastic resume on 2 devices: tensor parallel, no data parallel, 8 micro-steps of 2.
+TWO = ["--jax.mesh.data=1", "--jax.mesh.tensor=2", "--train.micro_batch_size=2"]
 
 
 def _documents(rng: np.random.Generator, n_tokens: int) -> np.ndarray:
@@ -101,7 +103,7 @@ def eight_device_run(mixture, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "eight"
     done = run_subprocess([*BASE, *EIGHT, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], devices=8)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "mesh data=2 x fsdp=2 x tensor=2 over 8 cpu device(s)" in done.stdout
+    assert "mesh data=4 x fsdp=2 x tensor=1 over 8 cpu device(s)" in done.stdout
     return run_dir
 
 
@@ -154,13 +156,11 @@ def test_elastic_resume_on_two_devices(mixture, eight_device_run, tmp_path):
     run_dir = tmp_path / "elastic"
     shutil.copytree(eight_device_run, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000020")
-    done = run_subprocess(
-        [*BASE, "--train.micro_batch_size=2", f"--data.mixture={mixture}", f"--run_dir={run_dir}"], devices=2
-    )
+    done = run_subprocess([*BASE, *TWO, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], devices=2)
     assert done.returncode == 0, done.stderr[-3000:]
     # The layout changes with the device count; the global batch does not.
-    assert "written with global batch 16 = 2 per device x 4 data-parallel x 2 accumulation" in done.stdout
-    assert "batch layout: global batch 16 = 2 per device x 2 data-parallel x 4 accumulation" in done.stdout
+    assert "written with global batch 16 = 2 per device x 8 data-parallel x 1 accumulation" in done.stdout
+    assert "batch layout: global batch 16 = 2 per device x 1 data-parallel x 8 accumulation" in done.stdout
     want, got = train_losses(eight_device_run), train_losses(run_dir)
     for s in range(11, STEPS + 1):
         assert abs(got[s] - want[s]) <= 1e-5, (s, got[s], want[s])

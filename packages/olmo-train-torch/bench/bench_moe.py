@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from olmo_model import MoESpec
-from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients
+from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients, sum_gradients
 from olmo_train_torch.moe import MoE, grouped_matmul, moe_aux_losses
 from rich.console import Console
 from rich.table import Table
@@ -156,7 +156,7 @@ def _worker(rank: int, port: int, tokens: int, repeats: int, blocks: dict, out_q
         def ag_step() -> None:
             step(ag_block, x, group)
             params = [p for n, p in ag_block.named_parameters() if not n.startswith("experts.")]
-            reduce_gradients_dense(params, group)
+            sum_gradients(params, group)
             ag_block.zero_grad(set_to_none=True)
 
         expert_bytes = 3 * n_experts * HIDDEN * D_MODEL * 4
@@ -177,16 +177,6 @@ def _worker(rank: int, port: int, tokens: int, repeats: int, blocks: dict, out_q
     if rank == 0:
         out_queue.put(results)
     dist.destroy_process_group()
-
-
-def reduce_gradients_dense(params: list[torch.nn.Parameter], group) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def dispatch_vs_allgather(tokens: int, repeats: int) -> list[dict]:

@@ -97,6 +97,13 @@ class EvalSection(_Section):
     batch_size: int = Field(8, gt=0)  # sequences per evaluation forward
 
 
+class MoESection(_Section):
+    """Mixture-of-experts run modes (used only when the model spec has `moe`)."""
+
+    routing: Literal["learned", "random", "uniform"] = "learned"  # random/uniform: systems benchmarks
+    mxfp8: bool = False  # emulated MXFP8 (e4m3 + e8m0 per 32) for the expert GEMMs
+
+
 class LogSection(_Section):
     every: int = Field(1, gt=0)  # metrics line every N steps
     progress: bool = True  # progress bar on a terminal
@@ -128,6 +135,7 @@ class TorchSection(_Section):
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False  # per block
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
+    expert_parallel: int = Field(1, gt=0)  # ranks the routed experts are split over (MoE only)
 
 
 class Recipe(_Section):
@@ -142,6 +150,7 @@ class Recipe(_Section):
     checkpoint: CheckpointSection = CheckpointSection()
     init: InitSection = InitSection()
     eval: EvalSection = EvalSection()
+    moe: MoESection = MoESection()
     log: LogSection = LogSection()
     jax: JaxSection = JaxSection()
     torch: TorchSection = TorchSection()

@@ -50,7 +50,8 @@ def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
     n = len(devices)
     if mesh_axes.get("expert", 1) != 1:
         raise RecipeError(
-            f"jax.mesh.expert={mesh_axes['expert']}: the JAX model has no MoE blocks yet; set jax.mesh.expert=1"
+            f"jax.mesh.expert={mesh_axes['expert']}: the trainer's mesh has no expert axis yet (MoE runs "
+            "data parallel; olmo_train_jax.expert_parallel needs the axis here); set jax.mesh.expert=1"
         )
     sizes = {axis: int(mesh_axes.get(axis, 1)) for axis in MESH_AXES}
     fixed = math.prod(s for s in sizes.values() if s != -1)

@@ -170,17 +170,24 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
+def sum_gradients(params: list[nn.Parameter], group) -> None:
+    """All-reduce (sum) the gradients of ``params`` over ``group`` as one flat buffer."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def reduce_gradients(model: nn.Module, dp_group, expert_dp_group=None) -> None:
-    """Sum gradients over ranks (the convention in the module doc): dense ones over
-    ``dp_group``, expert ones over ``expert_dp_group`` (if any). Flattened into one
-    buffer per kind, so each is one all-reduce."""
-    for params, group in ((dense_parameters(model), dp_group), (expert_parameters(model), expert_dp_group)):
-        grads = [p.grad for p in params if p.grad is not None]
-        if group is None or not grads:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    """Sum gradients over ranks (the summed convention in the module doc): dense ones over
+    ``dp_group``, expert ones over ``expert_dp_group`` (if any); one all-reduce each.
+    (None means no such group here, never the default group.)"""
+    if dp_group is not None:
+        sum_gradients(dense_parameters(model), dp_group)
+    if expert_dp_group is not None:
+        sum_gradients(expert_parameters(model), expert_dp_group)

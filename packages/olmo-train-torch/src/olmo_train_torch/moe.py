@@ -285,7 +285,11 @@ class MoE(nn.Module):
     def _generator(self, device: torch.device) -> torch.Generator:
         # One stream per (seed, step, layer, rank): reproducible and independent of the
         # order in which layers run (activation checkpointing replays them).
-        seed = hash((self.routing_seed, self.routing_step, self.layer, self.routing_rank)) % (2**63)
+        # A polynomial in a large prime (not Python's hash(), which may change between
+        # versions): distinct tuples give distinct seeds for any realistic step count.
+        seed = 0
+        for part in (self.routing_seed, self.routing_step, self.layer, self.routing_rank):
+            seed = (seed * 1_000_003 + part) % (2**63)
         return torch.Generator(device=device).manual_seed(seed)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
