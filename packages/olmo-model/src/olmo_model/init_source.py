@@ -2,7 +2,7 @@
 
 ``init.checkpoint`` names one of:
 
-- ``hf:DIR``: an HF folder (config.json + *.safetensors); weights only;
+- ``hf:DIR``: an HF folder (*.safetensors, and config.json if it has one); weights only;
 - a checkpoint dir of ours (``RUN/checkpoints/step_00000100``: a complete one, with meta.json);
 - ``RUN/checkpoints/latest`` or a run dir ``RUN``: that run's latest complete checkpoint
   (a curriculum stage names the previous stage this way before it has run).
@@ -99,12 +99,14 @@ def weights_fit(theirs: ModelSpec, spec: ModelSpec, origin: str) -> tuple[str, .
 _SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "n_kv_heads", "mlp_hidden", "padded_vocab_size", "qk_norm", "moe")
 
 
-def _hf_spec(folder: Path, source: str) -> ModelSpec:
+def _hf_spec(folder: Path, source: str) -> ModelSpec | None:
+    """The model of an HF folder's config.json; None without one (the trainer then checks the
+    tensors' names and shapes against the recipe's model as it loads them)."""
     if not folder.is_dir() or not list(folder.glob("*.safetensors")):
         raise TrainingStateError(f"init.checkpoint={source}: {folder} holds no *.safetensors; point it at an HF model folder")
     config = folder / "config.json"
     if not config.is_file():
-        raise TrainingStateError(f"init.checkpoint={source}: {config} not found; an HF folder carries its config.json")
+        return None
     try:
         return spec_from_hf_config(json.loads(config.read_text()), source=str(config))
     except json.JSONDecodeError as err:
@@ -127,7 +129,8 @@ def resolve_init(recipe: Recipe, spec: ModelSpec, framework: str) -> InitSource 
                 f"init.checkpoint={source}: an HF folder holds no optimizer state; set init.load_optimizer=false"
             )
         folder = Path(source.removeprefix(HF_PREFIX))
-        changed = weights_fit(_hf_spec(folder, source), spec, f"init.checkpoint={source}")
+        theirs = _hf_spec(folder, source)
+        changed = weights_fit(theirs, spec, f"init.checkpoint={source}") if theirs is not None else ()
         return InitSource(folder, None, None, None, False, changed)
     step, ckpt = resolve_checkpoint(Path(source))
     meta = read_meta(ckpt)

@@ -28,8 +28,10 @@ master weights and AdamW state and runs the model's matmuls in bfloat16, loss an
 in float32.
 
 Start-up order: recipe -> spec -> mixture and leakage check -> mesh and batch layout -> the
-checkpoint to resume (checked against spec, framework and mixture fingerprint) -> only then
-is anything written to the run dir, so bad input leaves it untouched.
+checkpoint to resume (checked against spec, framework and mixture fingerprint), or else the
+``recipe.init`` source (``olmo_model.init_source``: hf:DIR, a checkpoint, RUN/checkpoints/latest
+or a run dir; weights, plus AdamW state with init.load_optimizer) -> only then is anything
+written to the run dir, so bad input leaves it untouched.
 
 Test hook: the environment variable ``OLMO_TEST_KILL_AFTER_CHECKPOINT=N`` makes the process
 SIGKILL itself right after the step-N checkpoint is committed (used by the exact-resume tests).
@@ -55,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 from olmo_data import MixtureLoader, assert_no_leakage, load_mixture
 from olmo_data.mixture import Mixture
 from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
+from olmo_model.init_source import InitSource, resolve_init
 from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
 from olmo_model.runlog import (
     MetricsLog,
@@ -280,6 +283,7 @@ class Plan:
     total_steps: int
     loader: MixtureLoader
     resume: tuple[int, Path, dict] | None  # (step, checkpoint dir, meta)
+    init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
     init_tensors: dict[str, np.ndarray] | None  # HF weights of init.checkpoint=hf:DIR, validated
 
 
@@ -313,7 +317,7 @@ def plan_run(recipe: Recipe) -> Plan:
 
     run_dir = recipe.resolved_run_dir()
     done = complete_checkpoints(run_dir)
-    resume, init_tensors = None, None
+    resume, init, init_tensors = None, None, None
     if done and not recipe.checkpoint.resume:
         raise TrainingStateError(
             f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
@@ -330,31 +334,12 @@ def plan_run(recipe: Recipe) -> Plan:
                 f"raise train.steps to at least {step} or use a new run_dir"
             )
         resume = (step, ckpt, meta)
-    elif recipe.init.checkpoint:
-        init_tensors = _check_init_source(recipe, spec)
-    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume, init_tensors)
-
-
-def _check_init_source(recipe: Recipe, spec: ModelSpec) -> dict[str, np.ndarray] | None:
-    """Validate init.checkpoint; for hf:DIR return its tensors (checked against the spec)."""
-    source = recipe.init.checkpoint
-    assert source is not None
-    if source.startswith("hf:"):
-        path = Path(source.removeprefix("hf:"))
-        if not path.is_dir() or not list(path.glob("*.safetensors")):
-            raise TrainingStateError(
-                f"init.checkpoint={source}: {path} holds no *.safetensors; point it at an HF model folder"
-            )
-        if recipe.init.load_optimizer:
-            raise RecipeError(
-                f"init.load_optimizer=true but init.checkpoint={source} holds weights only; set it to false"
-            )
-        tensors = _read_safetensors(path)
-        validate_hf(spec, tensors)
-        return tensors
-    ckpt = Path(source)
-    check_meta_fits(read_meta(ckpt), ckpt, spec, FRAMEWORK)
-    return None
+    else:
+        init = resolve_init(recipe, spec, FRAMEWORK)
+        if init is not None and init.is_hf:
+            init_tensors = _read_safetensors(init.path)
+            validate_hf(spec, init_tensors)
+    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume, init, init_tensors)
 
 
 def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -577,15 +562,15 @@ def train(recipe: Recipe) -> Path:
 def _initial_state(plan: Plan, make_model, abstract_params: Any, abstract_opt: Any) -> tuple[Any, Any | None]:
     """(params, AdamW state or None) to start from: fresh weights from recipe.train.seed, or
     init.checkpoint's weights (and moments when init.load_optimizer), on the current mesh."""
-    source = plan.recipe.init.checkpoint
+    init = plan.init
     params_sh = jax.tree.map(lambda a: a.sharding, abstract_params)
-    if source is None:
+    if init is None:
         return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)(), None
-    print(f"initial weights from {source}", flush=True)
+    print(init.describe(), flush=True)
     if plan.init_tensors is not None:
         pure = nnx.to_pure_dict(nnx.split(model_from_hf(plan.spec, plan.init_tensors))[1])
         return jax.tree.map(jax.device_put, pure, params_sh), None
     params, opt_state, _ = restore_state(
-        Path(source), abstract_params, abstract_opt if plan.recipe.init.load_optimizer else None
+        init.path, abstract_params, abstract_opt if init.load_optimizer else None
     )
     return params, opt_state
