@@ -131,6 +131,13 @@ class Mixture:
         self.held_out_sources = {h.name: self._open(h, f) for h, f in zip(config.held_out, self.held_out_files)}
         self._check()
 
+    def with_sequence_length(self, sequence_length: int) -> Mixture:
+        """The same sources cut into windows of another length (a recipe's train.sequence_length,
+        e.g. a long-context stage); the fingerprint changes with it, as the order does."""
+        if sequence_length == self.config.sequence_length:
+            return self
+        return Mixture(self.config.model_copy(update={"sequence_length": sequence_length}), self.path)
+
     def _resolve(self, src: SourceConfig | HeldOutConfig, field: str) -> list[str]:
         try:
             return resolve_paths([str(self.root / p) for p in src.paths], src.format)

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
 from .hf import hf_param_shapes, spec_from_hf_config
 from .presets import SpecError
 from .recipe import Recipe, RecipeError
@@ -41,7 +39,6 @@ class InitSource:
     path: Path  # the checkpoint dir, or the HF folder
     framework: str | None  # "torch" / "jax" for our checkpoints; None for an HF folder
     step: int | None  # the checkpoint's step (None for HF)
-    meta: dict[str, Any] | None  # the checkpoint's meta.json (None for HF)
     load_optimizer: bool
     changed: tuple[str, ...]  # spec fields that differ from the checkpoint's model (no parameter changes)
 
@@ -131,7 +128,7 @@ def resolve_init(recipe: Recipe, spec: ModelSpec, framework: str) -> InitSource 
         folder = Path(source.removeprefix(HF_PREFIX))
         theirs = _hf_spec(folder, source)
         changed = weights_fit(theirs, spec, f"init.checkpoint={source}") if theirs is not None else ()
-        return InitSource(folder, None, None, None, False, changed)
+        return InitSource(folder, None, None, False, changed)
     step, ckpt = resolve_checkpoint(Path(source))
     meta = read_meta(ckpt)
     theirs = meta.get("framework")
@@ -141,4 +138,4 @@ def resolve_init(recipe: Recipe, spec: ModelSpec, framework: str) -> InitSource 
             f"with `olmo-convert {theirs}-run:{ckpt} {framework}-run:OUT` and set init.checkpoint=OUT"
         )
     changed = weights_fit(ModelSpec.model_validate(meta["spec"]), spec, f"init.checkpoint={source} ({ckpt})")
-    return InitSource(ckpt, framework, step, meta, recipe.init.load_optimizer, changed)
+    return InitSource(ckpt, framework, step, recipe.init.load_optimizer, changed)

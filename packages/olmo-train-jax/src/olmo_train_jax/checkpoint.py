@@ -99,7 +99,14 @@ def restore_state(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | No
     """(params, opt_state or None, step) from a checkpoint, placed on the current mesh."""
     target: dict[str, Any] = {"params": abstract_params, "step": 0}
     if abstract_opt_state is not None:
-        target["opt_state"] = abstract_opt_state
-    with ocp.StandardCheckpointer() as orbax:
-        restored = orbax.restore(ckpt.resolve() / STATE_DIR, target, strict=abstract_opt_state is not None)
-    return restored["params"], restored.get("opt_state"), int(restored["step"])
+        with ocp.StandardCheckpointer() as orbax:
+            restored = orbax.restore(ckpt.resolve() / STATE_DIR, {**target, "opt_state": abstract_opt_state})
+        return restored["params"], restored["opt_state"], int(restored["step"])
+    # Weights only (a new stage's init): StandardCheckpointer refuses a target that leaves out
+    # the stored opt_state, so restore the subset through PyTreeRestore's partial_restore.
+    restore = ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+    )
+    with ocp.PyTreeCheckpointer() as orbax:
+        restored = orbax.restore(ckpt.resolve() / STATE_DIR, args=restore)
+    return restored["params"], None, int(restored["step"])

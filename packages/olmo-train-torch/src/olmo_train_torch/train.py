@@ -24,7 +24,9 @@ One optimizer step ``s`` (1-based) over a global batch of sequences:
 
 Before anything is written (so bad input leaves the run dir untouched): recipe, spec,
 mixture (+ ``train.sequence_length``), leakage check, batch layout, and the latest complete
-checkpoint, which must fit (framework, spec, mixture fingerprint, loader state).
+checkpoint, which must fit (framework, spec, mixture fingerprint, loader state); without one,
+the ``recipe.init`` source (``olmo_model.init_source``: hf:DIR, a checkpoint,
+RUN/checkpoints/latest or a run dir; weights, plus AdamW state with init.load_optimizer).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 import torch.distributed as dist
 from olmo_data import Mixture, MixtureLoader, assert_no_leakage, load_mixture
 from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
+from olmo_model.init_source import InitSource, resolve_init
 from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
 from olmo_model.runlog import (
     MetricsLog,
@@ -305,6 +308,7 @@ class Plan:
     total_steps: int
     loader: MixtureLoader
     resume: tuple[int, Path, dict[str, Any]] | None  # (step, checkpoint dir, meta)
+    init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
 
 
 def mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
@@ -342,7 +346,7 @@ def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
     )
     run_dir = recipe.resolved_run_dir()
     done = complete_checkpoints(run_dir)
-    resume = None
+    resume, init = None, None
     if done and not recipe.checkpoint.resume:
         raise TrainingStateError(
             f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
@@ -361,23 +365,9 @@ def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
                 f"raise train.steps to at least {step} or use a new run_dir"
             )
         resume = (step, ckpt, meta)
-    elif recipe.init.checkpoint:
-        check_init_source(recipe, spec)
-    return Plan(recipe, spec, mixture, seq, layout, total, loader, resume)
-
-
-def check_init_source(recipe: Recipe, spec: ModelSpec) -> None:
-    source = recipe.init.checkpoint
-    assert source is not None
-    if source.startswith("hf:"):
-        path = Path(source.removeprefix("hf:"))
-        if not path.is_dir() or not list(path.glob("*.safetensors")):
-            raise TrainingStateError(f"init.checkpoint={source}: {path} holds no *.safetensors; point it at an HF model folder")
-        if recipe.init.load_optimizer:
-            raise RecipeError("init.load_optimizer=true needs one of our checkpoints, and an HF folder has no optimizer; set it false")
-        return
-    ckpt = Path(source)
-    check_meta_fits(read_meta(ckpt), ckpt, spec, FRAMEWORK)
+    else:
+        init = resolve_init(recipe, spec, FRAMEWORK)
+    return Plan(recipe, spec, mixture, seq, layout, total, loader, resume, init)
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -456,10 +446,9 @@ def train(recipe: Recipe) -> Path:
 
     torch.manual_seed(recipe.train.seed)
     model = build_model(spec, seed=recipe.train.seed, device=d.device)
-    init = recipe.init.checkpoint
-    if plan.resume is None and init and init.startswith("hf:"):
-        load_hf(model, read_safetensors(Path(init.removeprefix("hf:"))))
-        console.line(f"initialised from {init}")
+    init = plan.init
+    if init is not None and init.is_hf:
+        load_hf(model, read_safetensors(init.path), source=f"init.checkpoint={recipe.init.checkpoint}")
     model = parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device)
     optimizer = make_optimizer(model, recipe, d.device)
     guard = SpikeGuard.from_recipe(recipe)
@@ -474,11 +463,12 @@ def train(recipe: Recipe) -> Path:
             f"resumed from {ckpt} at step {step0}"
             + (f" (written with {BatchLayout(**before).describe()}; now {layout.describe()})" if before else "")
         )
-    elif init and not init.startswith("hf:"):
-        load_checkpoint(Path(init), d, model, optimizer if recipe.init.load_optimizer else None)
-        if recipe.init.load_optimizer:
+    elif init is not None and not init.is_hf:
+        load_checkpoint(init.path, d, model, optimizer if init.load_optimizer else None)
+        if init.load_optimizer:
             apply_recipe_hyperparams(optimizer, recipe)
-        console.line(f"initialised from {init}" + (" (with optimizer state)" if recipe.init.load_optimizer else ""))
+    if init is not None:
+        console.line(init.describe())
 
     peak, peak_label = device_peak(d.device)
     tokens_per_step = layout.global_batch * seq
