@@ -34,7 +34,6 @@ from olmo_model.runlog import TrainingStateError, checkpoint_dir, commit_checkpo
 from olmo_tools.train_state import read_training_state
 from olmo_train_jax.cli import main as jax_main
 from olmo_train_torch.cli import main as torch_main
-from olmo_train_torch.train import mixture_at
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 transformers.logging.set_verbosity_error()  # YaRN factor != max_pos / original context warns; intended
@@ -87,7 +86,7 @@ def reference_model(spec, params: dict[str, np.ndarray]) -> Olmo3ForCausalLM:
 
 
 def first_batch(sequence_length: int, sequences: int) -> dict[str, np.ndarray]:
-    return MixtureLoader(mixture_at(load_mixture("sample"), sequence_length), sequences, prefetch=0).batch_at(0)
+    return MixtureLoader(load_mixture("sample").with_sequence_length(sequence_length), sequences, prefetch=0).batch_at(0)
 
 
 def reference_logits(model: Olmo3ForCausalLM, batch) -> torch.Tensor:

@@ -22,7 +22,6 @@ from olmo_data import MixtureLoader, load_mixture
 from olmo_model import load_spec
 from olmo_tools.parity import main
 from olmo_tools.train_parity import check_thresholds
-from olmo_train_torch.train import mixture_at
 
 STEPS = 50
 RECIPE = [
@@ -71,7 +70,7 @@ def test_both_start_from_the_exported_weights(parity):
 
     _, report, out = parity
     model = Olmo3ForCausalLM.from_pretrained(out / "init-hf", dtype=torch.float32).eval()
-    batch = MixtureLoader(mixture_at(load_mixture("sample"), 64), 8, prefetch=0).batch_at(0)
+    batch = MixtureLoader(load_mixture("sample").with_sequence_length(64), 8, prefetch=0).batch_at(0)
     with torch.no_grad():
         logits = model(torch.from_numpy(batch["input_ids"].astype(np.int64))).logits.double()
     labels = torch.from_numpy(batch["labels"].astype(np.int64))

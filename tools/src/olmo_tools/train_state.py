@@ -253,13 +253,12 @@ _WRITERS = {"torch": _write_torch, "jax": _write_jax}
 def _mixture_fits(state: TrainingState, recipe: Recipe, where: str) -> None:
     """The target recipe's mixture is the one the source's data position refers to."""
     from olmo_data import DataError, load_mixture
-    from olmo_train_torch.train import mixture_at
 
     try:
         raw = load_mixture(recipe.data.mixture)
     except DataError as err:
         raise CheckpointError(f"{where}: {err}") from None
-    mixture = mixture_at(raw, recipe.sequence_length(raw.sequence_length))
+    mixture = raw.with_sequence_length(recipe.sequence_length(raw.sequence_length))
     theirs = state.meta["loader_state"]["fingerprint"]
     if theirs != mixture.fingerprint() and not recipe.data.allow_fingerprint_mismatch:
         raise CheckpointError(

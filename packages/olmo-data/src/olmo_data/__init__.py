@@ -2,7 +2,7 @@
 loader and held-out leakage checks. numpy only: no torch or jax import here."""
 
 from olmo_data.errors import DataError, ShardCorruptError
-from olmo_data.leakage import LeakageError, LeakageReport, assert_no_leakage, check_leakage
+from olmo_data.leakage import LeakageError, LeakageReport, assert_no_leakage, check_leakage, open_training_mixture
 from olmo_data.loader import MixtureLoader
 from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.order import RepetitionLimitError
@@ -20,4 +20,5 @@ __all__ = [
     "check_leakage",
     "load_mixture",
     "open_source",
+    "open_training_mixture",
 ]

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from olmo_data.errors import DataError
-from olmo_data.mixture import Mixture
+from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.ngrams import doc_hash, ngram_hashes
 from olmo_data.storage import TokenSource
 
@@ -253,3 +253,32 @@ def assert_no_leakage(mixture: Mixture, allow: bool = False) -> LeakageReport:
             raise LeakageError(message)
         log.warning("!!! HELD-OUT LEAKAGE ALLOWED (allow=True): %s !!!", message)
     return report
+
+
+def open_training_mixture(
+    path: str | os.PathLike,
+    *,
+    sequence_length: int | None = None,
+    model_vocab_size: int | None = None,
+    max_positions: int | None = None,
+    allow_leakage: bool = False,
+) -> Mixture:
+    """What a trainer does before any step: load the mixture (or "sample"), cut it at the
+    recipe's sequence length, check that the model can take its tokens and its length, and
+    refuse to start when held-out data leaks into training. Raises DataError / LeakageError
+    with a one-line message; writes nothing but the leakage cache."""
+    mixture = load_mixture(path)
+    if sequence_length is not None:
+        mixture = mixture.with_sequence_length(sequence_length)
+    if model_vocab_size is not None and mixture.config.vocab_size > model_vocab_size:
+        raise DataError(
+            f"{mixture.path}: vocab_size {mixture.config.vocab_size} exceeds the model's vocab_size "
+            f"{model_vocab_size}; use a model whose vocabulary covers the mixture's tokens"
+        )
+    if max_positions is not None and mixture.sequence_length > max_positions:
+        raise DataError(
+            f"sequence length {mixture.sequence_length} exceeds the model's max_position_embeddings "
+            f"{max_positions}; lower train.sequence_length or raise max_position_embeddings in the model spec"
+        )
+    assert_no_leakage(mixture, allow=allow_leakage)
+    return mixture

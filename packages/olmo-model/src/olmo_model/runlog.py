@@ -132,6 +132,72 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def find_resume(run_dir: Path, recipe: Recipe, spec: ModelSpec, framework: str, loader: Any, total_steps: int):
+    """The latest complete checkpoint to resume from, checked against this run before anything is
+    written: (step, ckpt, meta), or None for a fresh run. ``loader`` is the run's MixtureLoader;
+    its state is restored here (a changed mixture fingerprint is an error unless the recipe allows it)."""
+    done = complete_checkpoints(run_dir)
+    if not done:
+        return None
+    if not recipe.checkpoint.resume:
+        raise TrainingStateError(
+            f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
+            "use a new run_dir (or name), or set checkpoint.resume=true"
+        )
+    step, ckpt = done[-1]
+    meta = read_meta(ckpt)
+    check_meta_fits(meta, ckpt, spec, framework)
+    loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
+    if loader.step != step:
+        raise TrainingStateError(f"{ckpt}: loader state is at step {loader.step} but meta.json says {step}; damaged")
+    if step > total_steps:
+        raise TrainingStateError(
+            f"{ckpt}: the run is at step {step}, past this recipe's {total_steps} steps; "
+            f"raise train.steps to at least {step} or use a new run_dir"
+        )
+    return step, ckpt, meta
+
+
+class ProgressConsole:
+    """A rich progress bar on a terminal when log.progress (main process only), plain lines
+    otherwise. The bar starts at the first finished step, so start-up lines print plainly."""
+
+    def __init__(self, enabled: bool, is_main: bool, total: int, start: int):
+        import sys
+
+        self.is_main = is_main
+        self.enabled = enabled and is_main and sys.stderr.isatty()
+        self.total, self.start = total, start
+        self.progress: Any = None
+
+    def line(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, info: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self.task = self.progress.add_task("train", total=self.total, completed=self.start, info="")
+            self.progress.start()
+        self.progress.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
 # ---- spike guard ------------------------------------------------------------------------------
 
 @dataclass

@@ -40,7 +40,6 @@ SIGKILL itself right after the step-N checkpoint is committed (used by the exact
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -54,21 +53,19 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from olmo_data import MixtureLoader, assert_no_leakage, load_mixture
-from olmo_data.mixture import Mixture
+from olmo_data import Mixture, MixtureLoader, open_training_mixture
 from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
 from olmo_model.init_source import InitSource, resolve_init
-from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
+from olmo_model.recipe import BatchLayout, Recipe, batch_layout
 from olmo_model.runlog import (
     MetricsLog,
+    ProgressConsole,
     SpikeGuard,
     TrainingStateError,
-    check_meta_fits,
-    complete_checkpoints,
+    find_resume,
     plot_loss,
     prepare_run_dir,
     print_summary,
-    read_meta,
     training_meta,
 )
 
@@ -287,26 +284,18 @@ class Plan:
     init_tensors: dict[str, np.ndarray] | None  # HF weights of init.checkpoint=hf:DIR, validated
 
 
-def _mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
-    """The mixture cut into windows of the recipe's sequence length (train.sequence_length)."""
-    if sequence_length == mixture.sequence_length:
-        return mixture
-    return Mixture(mixture.config.model_copy(update={"sequence_length": sequence_length}), mixture.path)
-
-
 def plan_run(recipe: Recipe) -> Plan:
     """Check everything that can be checked without writing: raises RecipeError, SpecError,
     DataError or TrainingStateError with a one-line message."""
     spec = recipe.model_spec()
-    raw = load_mixture(recipe.data.mixture)
-    seq = recipe.sequence_length(raw.sequence_length)
-    mixture = _mixture_at(raw, seq)
-    if mixture.config.vocab_size > spec.vocab_size:
-        raise RecipeError(
-            f"{mixture.path}: vocab_size {mixture.config.vocab_size} exceeds the model's vocab_size "
-            f"{spec.vocab_size}; use a model preset whose vocabulary covers the mixture's tokens"
-        )
-    assert_no_leakage(mixture, allow=recipe.data.allow_leakage)
+    mixture = open_training_mixture(
+        recipe.data.mixture,
+        sequence_length=recipe.train.sequence_length,
+        model_vocab_size=spec.vocab_size,
+        max_positions=spec.max_position_embeddings,
+        allow_leakage=recipe.data.allow_leakage,
+    )
+    seq = mixture.sequence_length
     global_batch = recipe.global_batch_sequences(seq)
     mesh = sharding.make_mesh(recipe.jax.mesh)
     layout = batch_layout(global_batch, sharding.dp_size(mesh), recipe.train.micro_batch_size)
@@ -314,27 +303,9 @@ def plan_run(recipe: Recipe) -> Plan:
     loader = MixtureLoader(
         mixture, global_batch, dp_rank=jax.process_index(), dp_size=jax.process_count(), prefetch=recipe.data.prefetch
     )
-
-    run_dir = recipe.resolved_run_dir()
-    done = complete_checkpoints(run_dir)
-    resume, init, init_tensors = None, None, None
-    if done and not recipe.checkpoint.resume:
-        raise TrainingStateError(
-            f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
-            "use a new run_dir (or name), or set checkpoint.resume=true"
-        )
-    if done:
-        step, ckpt = done[-1]
-        meta = read_meta(ckpt)
-        check_meta_fits(meta, ckpt, spec, FRAMEWORK)
-        loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
-        if step > total:
-            raise TrainingStateError(
-                f"{ckpt}: the run is at step {step}, past this recipe's {total} steps; "
-                f"raise train.steps to at least {step} or use a new run_dir"
-            )
-        resume = (step, ckpt, meta)
-    else:
+    resume = find_resume(recipe.resolved_run_dir(), recipe, spec, FRAMEWORK, loader, total)
+    init, init_tensors = None, None
+    if resume is None:
         init = resolve_init(recipe, spec, FRAMEWORK)
         if init is not None and init.is_hf:
             init_tensors = _read_safetensors(init.path)
@@ -352,36 +323,6 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 # ---- the run -------------------------------------------------------------------------------
-
-class _Console:
-    """Progress bar on a terminal when log.progress, plain lines otherwise."""
-
-    def __init__(self, enabled: bool, total: int, start: int):
-        self.progress = None
-        if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), transient=False,
-            )
-            self.task = self.progress.add_task("train", total=total, completed=start, info="")
-            self.progress.start()
-
-    def line(self, text: str) -> None:
-        if self.progress is not None:
-            self.progress.console.print(text)
-        else:
-            print(text, flush=True)
-
-    def advance(self, info: str) -> None:
-        if self.progress is not None:
-            self.progress.update(self.task, advance=1, info=info)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
 
 def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     """Every process holds the whole evaluation batch; split it over data-parallel devices when
@@ -470,7 +411,7 @@ def train(recipe: Recipe) -> Path:
     fpt = flops_per_token(spec, seq)
     metrics = MetricsLog(run_dir, resume_step=start, enabled=is_main)
     checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, recipe.checkpoint.async_save)
-    console = _Console(recipe.log.progress and is_main, total, start)
+    console = ProgressConsole(recipe.log.progress, is_main, total, start)
     started = time.time()
 
     def save(step: int) -> None:

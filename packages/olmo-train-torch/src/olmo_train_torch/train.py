@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,20 +41,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from olmo_data import Mixture, MixtureLoader, assert_no_leakage, load_mixture
+from olmo_data import Mixture, MixtureLoader, open_training_mixture
 from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
 from olmo_model.init_source import InitSource, resolve_init
-from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
+from olmo_model.recipe import BatchLayout, Recipe, batch_layout
 from olmo_model.runlog import (
     MetricsLog,
+    ProgressConsole,
     SpikeGuard,
-    TrainingStateError,
-    check_meta_fits,
-    complete_checkpoints,
+    find_resume,
     plot_loss,
     prepare_run_dir,
     print_summary,
-    read_meta,
     training_meta,
 )
 from torch import nn
@@ -311,32 +308,18 @@ class Plan:
     init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
 
 
-def mixture_at(mixture: Mixture, sequence_length: int) -> Mixture:
-    """The mixture cut into windows of train.sequence_length (olmo_data takes the length from
-    the mixture file; this re-opens the same sources with another length)."""
-    if sequence_length == mixture.sequence_length:
-        return mixture
-    return Mixture(mixture.config.model_copy(update={"sequence_length": sequence_length}), mixture.path)
-
-
 def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
     """Check everything checkable without writing; raises RecipeError, SpecError, DataError,
     LeakageError or TrainingStateError with a one-line message."""
     spec = recipe.model_spec()
-    raw = load_mixture(recipe.data.mixture)
-    seq = recipe.sequence_length(raw.sequence_length)
-    mixture = mixture_at(raw, seq)
-    if mixture.config.vocab_size > spec.vocab_size:
-        raise RecipeError(
-            f"{mixture.path}: vocab_size {mixture.config.vocab_size} exceeds the model's vocab_size "
-            f"{spec.vocab_size}; use a model whose vocabulary covers the mixture's tokens"
-        )
-    if seq > spec.max_position_embeddings:
-        raise RecipeError(
-            f"sequence length {seq} exceeds the model's max_position_embeddings {spec.max_position_embeddings}; "
-            "lower train.sequence_length or raise max_position_embeddings in the model spec"
-        )
-    assert_no_leakage(mixture, allow=recipe.data.allow_leakage)
+    mixture = open_training_mixture(
+        recipe.data.mixture,
+        sequence_length=recipe.train.sequence_length,
+        model_vocab_size=spec.vocab_size,
+        max_positions=spec.max_position_embeddings,
+        allow_leakage=recipe.data.allow_leakage,
+    )
+    seq = mixture.sequence_length
     global_batch = recipe.global_batch_sequences(seq)
     layout = batch_layout(global_batch, world_size, recipe.train.micro_batch_size)
     check_parallel(recipe.torch, world_size)
@@ -344,29 +327,8 @@ def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
     loader = MixtureLoader(
         mixture, global_batch, dp_rank=rank, dp_size=world_size, prefetch=recipe.data.prefetch
     )
-    run_dir = recipe.resolved_run_dir()
-    done = complete_checkpoints(run_dir)
-    resume, init = None, None
-    if done and not recipe.checkpoint.resume:
-        raise TrainingStateError(
-            f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
-            "use a new run_dir (or name), or set checkpoint.resume=true"
-        )
-    if done:
-        step, ckpt = done[-1]
-        meta = read_meta(ckpt)
-        check_meta_fits(meta, ckpt, spec, FRAMEWORK)
-        loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
-        if loader.step != step:
-            raise TrainingStateError(f"{ckpt}: loader state is at step {loader.step} but meta.json says {step}; damaged")
-        if step > total:
-            raise TrainingStateError(
-                f"{ckpt}: the run is at step {step}, past this recipe's {total} steps; "
-                f"raise train.steps to at least {step} or use a new run_dir"
-            )
-        resume = (step, ckpt, meta)
-    else:
-        init = resolve_init(recipe, spec, FRAMEWORK)
+    resume = find_resume(recipe.resolved_run_dir(), recipe, spec, FRAMEWORK, loader, total)
+    init = resolve_init(recipe, spec, FRAMEWORK) if resume is None else None
     return Plan(recipe, spec, mixture, seq, layout, total, loader, resume, init)
 
 
@@ -380,44 +342,6 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 # ---- the run -----------------------------------------------------------------------------------
-
-class Console:
-    """A rich progress bar on a terminal when log.progress, plain lines otherwise (rank 0
-    only). The bar starts at the first finished step, so start-up lines print plainly."""
-
-    def __init__(self, enabled: bool, is_main: bool, total: int, start: int):
-        self.is_main = is_main
-        self.enabled = enabled and is_main and sys.stderr.isatty()
-        self.total, self.start = total, start
-        self.progress: Any = None
-
-    def line(self, text: str) -> None:
-        if not self.is_main:
-            return
-        if self.progress is not None:
-            self.progress.console.print(text)
-        else:
-            print(text, flush=True)
-
-    def advance(self, info: str) -> None:
-        if not self.enabled:
-            return
-        if self.progress is None:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.progress = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"),
-            )
-            self.task = self.progress.add_task("train", total=self.total, completed=self.start, info="")
-            self.progress.start()
-        self.progress.update(self.task, advance=1, info=info)
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-            self.progress = None
-
 
 def train(recipe: Recipe) -> Path:
     """Run (or resume) the recipe's job on this process; returns the run dir. Every check
@@ -436,7 +360,7 @@ def train(recipe: Recipe) -> Path:
 
     d = init_distributed(recipe.torch.backend)
     mesh = build_mesh(d, recipe.torch)
-    console = Console(recipe.log.progress, d.is_main, total, start)
+    console = ProgressConsole(recipe.log.progress, d.is_main, total, start)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
     console.line(f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
                  + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else ""))
