@@ -26,38 +26,23 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from olmo_data import MixtureLoader, load_mixture
 from olmo_model import ModelSpec, hf_config, load_spec
 from olmo_model.init_source import resolve_checkpoint, resolve_init
 from olmo_model.recipe import load_recipe
 from olmo_model.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, read_metrics, training_meta
 from olmo_tools.train_state import read_training_state
-from olmo_train_jax.cli import main as jax_main
-from olmo_train_torch.cli import main as torch_main
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 transformers.logging.set_verbosity_error()  # YaRN factor != max_pos / original context warns; intended
 
 TOY = Path(__file__).resolve().parents[1] / "recipes" / "toy"
-TRAINERS = {"torch": torch_main, "jax": jax_main}
 RUN_ARGS = ["--log.progress=false", "--torch.parallel=none", "--checkpoint.async_save=false"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Two cores shared by many processes: one intra-op thread is several times faster here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def run_stage(framework: str, stage: int, *extra: str) -> None:
-    assert TRAINERS[framework]([str(TOY / f"stage{stage}.yaml"), *RUN_ARGS, *extra]) == 0
+# The fixtures (one_torch_thread, run_helpers) live in the workspace's root conftest.py.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["torch", "jax"])
-def curriculum(request, tmp_path_factory):
+def curriculum(request, tmp_path_factory, run_helpers):
     """All three stages in one trainer, run from a scratch working dir; yields (framework, root)."""
     framework = request.param
     root = tmp_path_factory.mktemp(f"curriculum-{framework}")
@@ -65,9 +50,10 @@ def curriculum(request, tmp_path_factory):
     os.chdir(root)
     try:
         for stage in (1, 2, 3):
-            run_stage(framework, stage)
+            run_helpers.train(framework, [str(TOY / f"stage{stage}.yaml"), *RUN_ARGS])
         # Stage 2 again for 2 steps, taking stage 1's AdamW state too.
-        run_stage(framework, 2, "--init.load_optimizer=true", "--train.steps=2", "--run_dir=runs/stage2-with-optimizer")
+        run_helpers.train(framework, [str(TOY / "stage2.yaml"), *RUN_ARGS, "--init.load_optimizer=true",
+                                      "--train.steps=2", "--run_dir=runs/stage2-with-optimizer"])
     finally:
         os.chdir(here)
     yield framework, root
@@ -85,31 +71,19 @@ def reference_model(spec, params: dict[str, np.ndarray]) -> Olmo3ForCausalLM:
     return model
 
 
-def first_batch(sequence_length: int, sequences: int) -> dict[str, np.ndarray]:
-    return MixtureLoader(load_mixture("sample").with_sequence_length(sequence_length), sequences, prefetch=0).batch_at(0)
-
-
 def reference_logits(model: Olmo3ForCausalLM, batch) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.from_numpy(batch["input_ids"].astype(np.int64))).logits.double()
 
 
-def reference_loss(logits: torch.Tensor, batch, z_loss_weight: float) -> float:
-    """CE + z_loss_weight * logsumexp^2, means over the valid labels, in float64."""
-    labels = torch.from_numpy(batch["labels"].astype(np.int64))
-    valid = labels != -100
-    lse = torch.logsumexp(logits, -1)
-    target = logits.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
-    return ((lse - target)[valid]).mean().item() + z_loss_weight * (lse[valid] ** 2).mean().item()
-
-
-def test_stage2_starts_from_stage1_weights(curriculum):
+def test_stage2_starts_from_stage1_weights(curriculum, run_helpers):
     framework, root = curriculum
     stage1 = read_training_state(f"{framework}-run:{root / 'runs/toy-stage1'}")
     assert stage1.step == 20
     spec = load_recipe(TOY / "stage2.yaml").model_spec()
-    batch = first_batch(64, 8)
-    expected = reference_loss(reference_logits(reference_model(spec, stage1.params), batch), batch, spec.z_loss_weight)
+    batch = run_helpers.sample_batch(64, 8)
+    logits = reference_logits(reference_model(spec, stage1.params), batch)
+    expected = run_helpers.loss_from_logits(logits, batch, spec.z_loss_weight)
     got = first_loss(root / "runs/toy-stage2")
     assert got == pytest.approx(expected, abs=1e-4)
     assert got < math.log(spec.vocab_size) - 0.7  # a fresh model starts at ln(4096) = 8.32
@@ -142,7 +116,7 @@ def framework_logits(framework: str, spec, params: dict[str, np.ndarray], batch)
     return torch.from_numpy(np.asarray(model_from_hf(spec, params)(jnp.asarray(ids, jnp.int32)), np.float64))
 
 
-def test_stage3_trains_longer_sequences_with_yarn(curriculum):
+def test_stage3_trains_longer_sequences_with_yarn(curriculum, run_helpers):
     framework, root = curriculum
     recipe_spec = load_recipe(TOY / "stage3.yaml").model_spec()
     run_spec = ModelSpec.model_validate_json((root / "runs/toy-stage3/spec.json").read_text())
@@ -154,10 +128,10 @@ def test_stage3_trains_longer_sequences_with_yarn(curriculum):
 
     # Its first step: stage 2's weights under YaRN, as transformers computes the loss.
     stage2 = read_training_state(f"{framework}-run:{root / 'runs/toy-stage2'}")
-    batch = first_batch(128, 8)
+    batch = run_helpers.sample_batch(128, 8)
     with_yarn = reference_logits(reference_model(run_spec, stage2.params), batch)
     assert first_loss(root / "runs/toy-stage3") == pytest.approx(
-        reference_loss(with_yarn, batch, run_spec.z_loss_weight), abs=1e-4)
+        run_helpers.loss_from_logits(with_yarn, batch, run_spec.z_loss_weight), abs=1e-4)
     # The trained stage-3 model in the trainer's framework: transformers' YaRN logits, which
     # differ from plain RoPE's beyond the original 64 tokens far more than the frameworks differ.
     # (This barely trained model attends weakly, so the loss alone cannot tell the two apart.)

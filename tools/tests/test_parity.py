@@ -76,6 +76,37 @@ def test_thresholds_set_the_exit_status(folders, capsys):
     assert "config.json: not found" in capsys.readouterr().err
 
 
+def test_per_side_dtype(folders, capsys):
+    import torch
+    from transformers import Olmo3ForCausalLM
+
+    a, _ = folders
+    # transformers itself in bf16 (A) and fp32 (B) on the CLI's seeded ids; KL computed here.
+    ids = np.random.default_rng(0).integers(0, 4096, (1, 40))
+    logits = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = Olmo3ForCausalLM.from_pretrained(a, dtype=dtype).eval()
+        with torch.no_grad():
+            logits[dtype] = model(torch.from_numpy(ids)).logits.double().numpy()[0]
+    la, lb = logits[torch.bfloat16], logits[torch.float32]
+    pa = la - la.max(-1, keepdims=True)
+    pa -= np.log(np.exp(pa).sum(-1, keepdims=True))
+    pb = lb - lb.max(-1, keepdims=True)
+    pb -= np.log(np.exp(pb).sum(-1, keepdims=True))
+    kl = (np.exp(pa) * (pa - pb)).sum(-1)
+    code, report = _run(
+        capsys, f"hf-ref:{a}", f"hf-ref:{a}", "--dtype", "float32", "--dtype-a", "bfloat16",
+        "--seq-len", "40", "--batch", "1",
+    )  # fmt: skip
+    assert code == 0
+    assert (report["dtype_a"], report["dtype_b"]) == ("bfloat16", "float32")
+    assert kl.mean() > 1e-8  # bf16 really ran on one side only
+    assert report["kl_mean"] == pytest.approx(kl.mean(), rel=1e-9)
+    assert report["max_abs_logit_diff"] == pytest.approx(np.abs(la - lb).max(), rel=1e-9)
+    # --dtype-b alone: A keeps --dtype; equal dtypes give identical logits.
+    code, report = _run(capsys, f"hf-ref:{a}", f"hf-ref:{a}", "--dtype-b", "float32", "--seq-len", "40", "--batch", "1")
+    assert (report["dtype_a"], report["dtype_b"]) == ("float32", "float32") and report["kl_max"] == 0.0
+
 def _side(logits: np.ndarray) -> Side:
     spec = get_preset("tiny").replace(vocab_size=logits.shape[-1], padded_vocab_size=logits.shape[-1])
     return Side("synthetic", "numpy", spec, lambda ids: logits[ids[:, 0]])

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from olmo_data import MixtureLoader, load_mixture
 from olmo_model import load_spec
 from olmo_tools.parity import main
 from olmo_tools.train_parity import check_thresholds
@@ -28,15 +27,8 @@ RECIPE = [
     "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", "--eval.every=25",
     "--optim.lr=1e-3", "--schedule.kind=cosine", "--schedule.warmup_steps=10", "--schedule.alpha=0.1", "--checkpoint.async_save=false",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Two cores shared by many processes: one intra-op thread is several times faster here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# The fixtures (one_torch_thread, run_helpers) live in the workspace's root conftest.py.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +56,16 @@ def test_fifty_steps_agree_within_1e4(parity):
     assert (out / "parity.png").stat().st_size > 0 and (out / "parity.json").exists()
 
 
-def test_both_start_from_the_exported_weights(parity):
+def test_both_start_from_the_exported_weights(parity, run_helpers):
     """Step 1's loss is that of the exported weights on global batch 0, as transformers computes it."""
     from transformers import Olmo3ForCausalLM
 
     _, report, out = parity
     model = Olmo3ForCausalLM.from_pretrained(out / "init-hf", dtype=torch.float32).eval()
-    batch = MixtureLoader(load_mixture("sample").with_sequence_length(64), 8, prefetch=0).batch_at(0)
+    batch = run_helpers.sample_batch(64, 8)
     with torch.no_grad():
         logits = model(torch.from_numpy(batch["input_ids"].astype(np.int64))).logits.double()
-    labels = torch.from_numpy(batch["labels"].astype(np.int64))
-    valid = labels != -100
-    lse = torch.logsumexp(logits, -1)
-    target = logits.gather(-1, labels.clamp_min(0)[..., None])[..., 0]
-    ce = ((lse - target)[valid]).mean().item()
-    z = (lse[valid] ** 2).mean().item()
-    expected = ce + load_spec("tiny").z_loss_weight * z
+    expected = run_helpers.loss_from_logits(logits, batch, load_spec("tiny").z_loss_weight)
     assert report["loss_torch"][0] == pytest.approx(expected, abs=1e-5)
     assert report["loss_jax"][0] == pytest.approx(expected, abs=1e-5)
 

@@ -19,8 +19,6 @@ import torch
 import yaml
 from olmo_model.runlog import complete_checkpoints, read_meta, read_metrics
 from olmo_tools.convert import main as convert_main
-from olmo_train_jax.cli import main as jax_main
-from olmo_train_torch.cli import main as torch_main
 from torch.distributed.checkpoint import FileSystemReader
 
 STEPS = 20
@@ -30,20 +28,8 @@ RECIPE = [
     "--train.precision=fp32", f"--checkpoint.every={SWITCH}", f"--eval.every={STEPS}", "--log.progress=false",
     "--checkpoint.async_save=false", "--torch.parallel=none", "--schedule.warmup_steps=5",
 ]
-TRAINERS = {"torch": torch_main, "jax": jax_main}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    # Two cores shared by many processes: one intra-op thread is several times faster here.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def train(framework: str, run_dir: Path, *extra: str) -> None:
-    assert TRAINERS[framework]([*RECIPE, f"--run_dir={run_dir}", *extra]) == 0
+# The fixtures (one_torch_thread, run_helpers) live in the workspace's root conftest.py.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def ckpt(run_dir: Path, step: int) -> Path:
@@ -65,15 +51,15 @@ def snapshot(folder: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, run_helpers) -> dict[str, Path]:
     """Uninterrupted 20-step runs of both trainers, each switched to the other at step 10."""
     root = tmp_path_factory.mktemp("switch")
     out = {}
     for source, target in (("torch", "jax"), ("jax", "torch")):
         straight, switched = root / f"{source}-only", root / f"{source}-then-{target}"
-        train(source, straight)
+        run_helpers.train(source, [*RECIPE, f"--run_dir={straight}"])
         assert convert_main([f"{source}-run:{ckpt(straight, SWITCH)}", f"{target}-run:{switched}"]) == 0
-        train(target, switched)  # resumes the converted checkpoint: steps 11-20
+        run_helpers.train(target, [*RECIPE, f"--run_dir={switched}"])  # resumes the converted checkpoint: steps 11-20
         out[source], out[f"{source}->{target}"] = straight, switched
     return out
 
@@ -184,3 +170,23 @@ def test_converting_into_a_fitting_run_adds_a_resumable_checkpoint(runs, tmp_pat
     assert convert_main([f"torch-run:{ckpt(runs['torch'], SWITCH)}", f"jax-run:{run}"]) == 0
     assert [s for s, _ in complete_checkpoints(run)] == [SWITCH]
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{SWITCH:08d}"]  # no staging left
+
+
+def test_a_trainer_checkpoint_converts_to_hf_with_the_spec_from_its_meta(runs, tmp_path):
+    """``torch:`` on one checkpoint folder of a run (no spec.json there: the spec is in meta.json)."""
+    from safetensors.numpy import load_file
+
+    src = ckpt(runs["torch"], STEPS)
+    assert not (src / "spec.json").exists()
+    assert convert_main([f"torch:{src}", f"hf:{tmp_path / 'hf'}"]) == 0
+    hf = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        hf.update(load_file(f))
+    meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata
+    pairs = {"model.embed_tokens.weight": "model.embed.weight", "lm_head.weight": "model.lm_head.weight",
+             "model.layers.3.self_attn.q_proj.weight": "model.blocks.3.attn.q_proj.weight",
+             "model.layers.0.post_feedforward_layernorm.weight": "model.blocks.0.mlp_norm.weight"}
+    state = {k: torch.empty(tuple(meta[k].size)) for k in pairs.values()}
+    dcp.load(state, checkpoint_id=str(src), no_dist=True)
+    for hf_name, key in pairs.items():
+        np.testing.assert_array_equal(hf[hf_name], state[key].numpy(), err_msg=hf_name)

@@ -3,11 +3,17 @@ with torch AdamW, side by side in one process, same shape, batch, loss and optim
 
     uv run --frozen python packages/olmo-train-jax/bench/bench_train.py
     uv run --frozen python packages/olmo-train-jax/bench/bench_train.py --preset olmo3-30m --seq 512 --batch 8 --steps 4
+    uv run --frozen python packages/olmo-train-jax/bench/bench_train.py --pieces   # where the time goes
 
 Each side: one untimed step (JAX compiles there), then the best and the mean of ``--steps``
 timed steps (forward, backward, global-norm clip, AdamW). MFU is each framework's model
 FLOP/s (olmo_model.flops_per_token, sliding-window aware) over the fp32 matmul peak measured
-in THAT framework on this machine (best of a few 2048 x 2048 matmuls).
+in THAT framework on this machine (best of a few 2048 x 2048 matmuls). The 1-minute load
+average before and after is printed under the table.
+
+``--pieces`` instead times the parts of a step in both frameworks, interleaved round by round
+(best of ``--steps`` after a warm-up round): output head + loss forward+backward, the layers
+(+ embedding) forward+backward with the head cut to one column, and the AdamW update.
 """
 
 from __future__ import annotations
@@ -106,12 +112,98 @@ def bench_transformers(spec, seq: int, batch: int, steps: int, ids: np.ndarray, 
     return {"first": first, "times": times, "peak": torch_matmul_peak(), "loss": loss}
 
 
+def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: np.ndarray) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from flax import nnx
+    from olmo_model import hf_config
+    from olmo_model.recipe import load_recipe
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.train import make_optimizer, token_loss_sums
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    rng = np.random.default_rng(1)
+    hidden = rng.standard_normal((batch, seq, spec.d_model)).astype(np.float32)
+    head = (rng.standard_normal((spec.d_model, spec.padded_vocab_size)) * spec.init_std).astype(np.float32)
+    z_weight = spec.z_loss_weight
+    pieces = {}
+
+    labels_j, ids_j = jnp.asarray(labels), jnp.asarray(ids)
+
+    def head_loss(x, w):
+        logits = jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
+        ce, z, n = token_loss_sums(logits, labels_j)
+        return (ce + z_weight * z) / n
+
+    graphdef, state = nnx.split(build_model(spec, seed=0))
+
+    def body(state):
+        model = nnx.merge(graphdef, state)
+        model.lm_head = nnx.Param(model.lm_head[...][:, :1])  # leaves the layers and the embedding
+        return jnp.sum(model(ids_j))
+
+    with jax.default_matmul_precision("highest"):  # as the fp32 trainer runs
+        jax_head = jax.jit(jax.grad(head_loss, argnums=(0, 1)))
+        jax_body = jax.jit(jax.grad(body))
+    x_j, w_j = jnp.asarray(hidden), jnp.asarray(head)
+    pieces["JAX head + loss"] = lambda: jax.block_until_ready(jax_head(x_j, w_j))
+    pieces["JAX layers + embedding"] = lambda: jax.block_until_ready(jax_body(state))
+    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(state))
+    tx = make_optimizer(params, load_recipe(None, ["--train.precision=fp32"]))
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+
+    def update(params, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return jax.tree.map(lambda p, u: p - 1e-3 * u, params, updates), opt_state
+
+    jax_update = jax.jit(update, donate_argnums=(0, 1))
+    carry = [params, jax.jit(tx.init)(params)]
+
+    def run_update():
+        carry[:] = jax_update(*carry)
+        jax.block_until_ready(carry[0])
+
+    pieces["JAX AdamW"] = run_update
+
+    x_t = torch.from_numpy(hidden).requires_grad_()
+    w_t = torch.from_numpy(head).requires_grad_()
+    y_t = torch.from_numpy(labels).long()
+
+    def torch_head():
+        logits = x_t @ w_t
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), y_t.view(-1))
+        (ce + z_weight * (lse**2).mean()).backward()
+        x_t.grad = w_t.grad = None
+
+    torch.manual_seed(0)
+    model = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).float().train()
+    ids_t = torch.from_numpy(ids).long()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)  # the body's backward accumulates onto these
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
+    pieces["torch head + loss"] = torch_head
+    pieces["torch layers + embedding"] = lambda: model.model(input_ids=ids_t).last_hidden_state.sum().backward()
+    pieces["torch AdamW"] = opt.step
+
+    times = {name: [] for name in pieces}
+    for round_ in range(steps + 1):
+        for name, fn in pieces.items():
+            t0 = time.perf_counter()
+            fn()
+            if round_:  # round 0 compiles (JAX) and warms caches (both)
+                times[name].append(time.perf_counter() - t0)
+    return {name: min(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="olmo3-30m")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--pieces", action="store_true", help="time the parts of a step instead")
     args = parser.parse_args()
 
     import torch
@@ -128,6 +220,17 @@ def main() -> None:
     tokens = args.batch * args.seq
     fpt = flops_per_token(spec, args.seq)
 
+    load_before = os.getloadavg()[0]
+    if args.pieces:
+        best = bench_pieces(spec, args.seq, args.batch, args.steps, ids, labels)
+        table = Table(title=f"{args.preset} step pieces (forward + backward), seq {args.seq}, batch {args.batch}, fp32")
+        table.add_column("piece")
+        table.add_column("best s", justify="right")
+        for name, t in best.items():
+            table.add_row(name, f"{t:.2f}")
+        Console().print(table)
+        print(f"1-minute load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+        return
     results = {"olmo-train-jax (jit)": bench_jax(spec, args.seq, args.batch, args.steps, ids, labels)}
     gc.collect()
     results["transformers Olmo3ForCausalLM (eager)"] = bench_transformers(
@@ -155,6 +258,8 @@ def main() -> None:
             f"{mfu:.1%} of {r['peak'] / 1e9:.1f} GFLOP/s", f"{tps / base:.2f}x",
         )
     Console().print(table)
+    # Other jobs on a shared machine slow both sides; the load says how far to trust the times.
+    print(f"1-minute load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,20 @@
-"""``olmo-train-jax`` on an MoE spec (tiny-moe, CPU, fp32): the real entry point on one device
-and on 4 (data 2 x fsdp 2). The train lines carry the MoE metrics of the contract, and the
-losses (CE + z-loss + the MoE aux losses over the global micro-batch) agree within 1e-5 as
-long as the routing is the same.
+"""``olmo-train-jax`` on an MoE spec (tiny-moe, CPU, fp32, learned routing): the real entry
+point on one device and on 4 (fsdp 2 x expert 2: expert parallelism with sharded weights).
+The train lines carry the MoE metrics of the contract, and the losses (CE + z-loss + the MoE
+aux losses over the global micro-batch) agree within 1e-5 as long as the routing is the same.
 
-Why not for all steps: top-k routing is discontinuous. The two layouts sum in different
-orders, so their weights drift apart by float32 rounding (AdamW turns a gradient that
-differs in its last bits into a full-size update where the gradient is near zero), and
-once a router score pair is that close to a tie one (token, slot) goes to another expert.
-Measured over 20 steps: identical routing and |diff| <= 3e-6 for steps 1-4, then one of
-16384 assignments flips at step 5 and the curves separate by up to ~5e-4 by step 20; the
-Torch trainer's layouts are exposed to the same effect. (Expert parallelism in ``test_moe_ep.py`` keeps
-the dense maths on the same tokens per device and stays identical for 20 steps.)
+Why not for all steps: top-k routing is discontinuous. The forward is bitwise the same on
+every layout (the router's softmax and top-k renormalisation sum in a fixed order,
+``moe.row_sum``; with ``jnp.sum`` XLA:CPU rounds a 256-token shard differently from 1024
+tokens: logits 4.8e-7 apart from identical weights). What still differs is the gradient: each
+layout sums the per-token contributions to a weight's gradient in its own order (one
+contraction over all tokens on one device, per-device partial sums plus an all-reduce on
+four), and AdamW turns a last-bit difference into a full-size update where a gradient is
+near zero. Once a router score pair is that close to a tie, one (token, slot) goes to
+another expert (measured: expert=4 vs one device, 1024 tokens per step, first flip at step
+5; uniform routing, which cannot flip, stays within 1e-5 for 20 steps in
+``test_moe_trainer.py``). Exact agreement over many learned steps needs a layout-independent
+gradient reduction (not done).
 
     uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_train.py -p no:xdist -q
 """
@@ -75,10 +79,12 @@ def test_moe_metrics_in_the_train_lines(one_device_run):
 def test_four_devices_match_one_device(mixture, one_device_run, tmp_path):
     run_dir = tmp_path / "moe-four"
     done = run_subprocess(
-        [*MOE_BASE, "--jax.mesh.data=2", "--jax.mesh.fsdp=2", f"--data.mixture={mixture}", f"--run_dir={run_dir}"],
+        [*MOE_BASE, "--jax.mesh.data=1", "--jax.mesh.fsdp=2", "--jax.mesh.expert=2", f"--data.mixture={mixture}",
+         f"--run_dir={run_dir}"],
         devices=4,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=1 x fsdp=2 x expert=2 x tensor=1 over 4 cpu device(s)" in done.stdout
     one, four = train_losses(one_device_run), train_losses(run_dir)
     assert sorted(four) == list(range(1, STEPS + 1))
     counts = {
@@ -88,3 +94,6 @@ def test_four_devices_match_one_device(mixture, one_device_run, tmp_path):
     for s in range(1, SAME_ROUTING_STEPS + 1):
         assert counts["one"][s] == counts["four"][s], s
         assert abs(one[s] - four[s]) <= 1e-5, (s, one[s], four[s])
+    loads = [r["moe_rank_load_max_over_mean"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    # Two expert ranks: the real EP size, so max/mean lies in [1, 2] (one rank: always 1.0).
+    assert all(1.0 <= x <= 2.0 for x in loads) and max(loads) > 1.0

@@ -18,7 +18,8 @@ the 4 ranks, two ways, side by side in one run:
   gradients over ranks (an all-reduce, as gloo has no reduce-scatter) and keeps its slice.
 
 Reports the best step time of ``--repeats`` (configurations interleaved; see
-``best_times``), tokens/s per rank and the bytes each rank sends per step.
+``best_times``), tokens/s per rank, the bytes each rank sends per step, and the ratios
+all-gather / EP of both (one row per expert count, the two ways side by side).
 Routing is "uniform" in part 2 so that both ways see identical, balanced work.
 """
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from olmo_model import MoESpec
 from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients, sum_gradients
-from olmo_train_torch.moe import MoE, grouped_matmul, moe_aux_losses
+from olmo_train_torch.moe import MoE, configure_moe, grouped_matmul, moe_aux_losses
 from rich.console import Console
 from rich.table import Table
 
@@ -141,8 +142,9 @@ def _worker(rank: int, port: int, tokens: int, repeats: int, blocks: dict, out_q
     results = []
     for n_experts, block in blocks.items():
         ep_block = copy.deepcopy(block)
+        # Uniform routing numbers the tokens of the global micro-batch (all 4 ranks).
+        configure_moe(ep_block, routing="uniform", dp_rank=rank, dp_size=EP)
         apply_expert_parallel(ep_block, group)
-        ep_block.routing = "uniform"
 
         def ep_step() -> None:
             step(ep_block, x, group)
@@ -150,7 +152,7 @@ def _worker(rank: int, port: int, tokens: int, repeats: int, blocks: dict, out_q
             ep_block.zero_grad(set_to_none=True)
 
         ag_block = copy.deepcopy(block)
-        ag_block.routing = "uniform"
+        configure_moe(ag_block, routing="uniform", dp_rank=rank, dp_size=EP)
         ag_block.experts = AllGatherExperts(ag_block.experts, group)
 
         def ag_step() -> None:
@@ -196,7 +198,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed steps per configuration (best of)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    console = Console()
+    console = Console(width=200)  # full tables also when the output is not a terminal
     console.print(f"load average before the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
     rows = scaling(args.tokens, args.repeats)
@@ -210,13 +212,22 @@ def main() -> None:
     console.print(table)
 
     rows = dispatch_vs_allgather(args.tokens, args.repeats)
-    table = Table(title=f"{EP} gloo ranks (1 thread each), {args.tokens} tokens/rank, uniform routing, fp32")
-    for col in ("experts", "mode", "ms/step (slowest rank)", "tokens/s/rank", "MB sent/rank/step"):
+    table = Table(title=f"{EP} gloo ranks (1 thread each), {args.tokens} tokens/rank, uniform routing, fp32; "
+                        "ms/step of the slowest rank")
+    for col in ("experts", "ep ms/step", "ep tokens/s/rank", "ep MB sent/rank/step", "allgather ms/step",
+                "allgather tokens/s/rank", "allgather MB sent/rank/step", "time allgather/ep", "bytes allgather/ep"):
         table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["experts"]), r["mode"], f"{r['seconds'] * 1e3:.1f}", f"{args.tokens / r['seconds']:,.0f}",
-                      f"{r['bytes'] / 1e6:.2f}")
+    by = {(r["experts"], r["mode"]): r for r in rows}
+    for n_experts in sorted({r["experts"] for r in rows}):
+        ep, ag = by[n_experts, "ep"], by[n_experts, "allgather"]
+        table.add_row(
+            str(n_experts),
+            f"{ep['seconds'] * 1e3:.1f}", f"{args.tokens / ep['seconds']:,.0f}", f"{ep['bytes'] / 1e6:.2f}",
+            f"{ag['seconds'] * 1e3:.1f}", f"{args.tokens / ag['seconds']:,.0f}", f"{ag['bytes'] / 1e6:.2f}",
+            f"{ag['seconds'] / ep['seconds']:.2f}", f"{ag['bytes'] / ep['bytes']:.2f}",
+        )
     console.print(table)
+    console.print(f"load average after the run: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,41 @@
-"""Train-step throughput of olmo-train-torch vs transformers' Olmo3ForCausalLM, side by side.
+"""Train-step throughput of olmo-train-torch vs transformers' Olmo3ForCausalLM and OLMo-core's
+own Olmo 3 model, side by side in one run.
 
     uv run --frozen python packages/olmo-train-torch/bench/bench_train.py [--steps 3] [--json]
+        [--olmo-core-modes eager compile]
 
-Shape: olmo3-30m (d_model 256, 4 layers, 8 heads, padded vocab 100352, window 4096, so every
-layer is effectively causal at this length), sequence 512, batch 8, fp32, on this machine's
-CPU threads. Each contender runs the same random batches and a full training step: forward,
-loss, backward, global-norm clip 1.0, AdamW. Ours is ``olmo_train_torch.train.train_step``
-(z-loss included) eager and with ``torch.compile`` per block (compile time = first step
-minus a timed eager step); the peer is transformers' Olmo3ForCausalLM (sdpa attention, its
-own mean CE) with ``torch.optim.AdamW(foreach=True)`` and ``clip_grad_norm_``. OLMo-core is
-benchmarked only if ``import olmo_core`` works. MFU is against the best fp32 2048x2048
-matmul measured in torch at start. Timed steps: the median of ``--steps`` after one warm-up.
+Shape: olmo3-30m (d_model 256, 4 layers, 8 heads, MLP 768, padded vocab 100352, QK-norm,
+window 4096 on layers 0-2 and layer 3 global, so every layer is effectively causal at this
+length), sequence 512, batch 8, fp32, on this machine's CPU threads. Each contender runs the
+same random batches and a full training step: forward, loss, backward, global-norm clip
+1.0, AdamW. Ours is ``olmo_train_torch.train.train_step`` (z-loss included) eager and with
+``torch.compile`` per block (compile time = first step minus a timed eager step).
+transformers: Olmo3ForCausalLM (sdpa attention, plain CE on the shifted labels) with
+``torch.optim.AdamW(foreach=True)`` and ``clip_grad_norm_``. OLMo-core (ai2-olmo-core from
+PyPI): ``TransformerConfig.olmo3_30M`` with SDPA attention, its fused CE + z-loss LM head and
+``SkipStepAdamW``, eager and with its own ``apply_compile``; it pins torch 2.13, so it runs in
+an isolated uv env (tools/bench/olmo_core/train_peer.py, one JSON line back) on the same
+batches, and its parameter count is checked against ``olmo_model.param_counts``. If that env
+cannot be built the OLMo-core rows say why. MFU is against the best fp32 2048x2048 matmul
+measured in torch at start (our torch). Timed steps: the median of ``--steps`` after one
+warm-up; the contenders run one after the other.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from olmo_model import flops_per_token, get_preset, hf_config
+from olmo_model import flops_per_token, get_preset, hf_config, param_counts
 from olmo_model.recipe import TorchSection, batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard
 from olmo_train_torch import build_model, to_hf
@@ -30,6 +43,7 @@ from olmo_train_torch.parallelize import Distributed, parallelize
 from olmo_train_torch.train import make_optimizer, measure_cpu_matmul_peak, train_step
 
 SEQ, BATCH = 512, 8
+OLMO_CORE_PEER = Path(__file__).resolve().parents[3] / "tools" / "bench" / "olmo_core" / "train_peer.py"
 
 
 def _batches(vocab: int, n: int) -> list[dict[str, np.ndarray]]:
@@ -93,10 +107,41 @@ def bench_transformers(spec, batches):
     return _time_steps(step, batches)
 
 
+def bench_olmo_core(spec, batches, modes: list[str]) -> dict | str:
+    """OLMo-core's timings from its own env, {"modes": {mode: {...}}, "torch": ...}, or why not.
+    One process per mode, so a compiled run does not share memory with the eager one."""
+    uv = shutil.which("uv")
+    if uv is None:
+        return "not measured: `uv` is not on PATH (it builds the isolated OLMo-core env)"
+    merged: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file, batch_file = Path(tmp) / "spec.json", Path(tmp) / "batches.npy"
+        spec_file.write_text(spec.model_dump_json())
+        # The same tokens our contenders train on: inputs plus the last label column.
+        np.save(batch_file, np.stack([np.concatenate([b["input_ids"], b["labels"][:, -1:]], axis=1) for b in batches]))
+        for mode in modes:
+            cmd = [uv, "run", "--isolated", "--no-project", "--python", "3.11", "--with", "ai2-olmo-core", "python",
+                   str(OLMO_CORE_PEER), "--spec", str(spec_file), "--param-total", str(param_counts(spec).total),
+                   "--batches", str(batch_file), "--modes", mode]
+            env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode in (137, -9):
+                return f"not measured: the OLMo-core {mode} process was killed (SIGKILL: out of memory?)"
+            if proc.returncode != 0 or not lines:
+                why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                return f"not measured: the OLMo-core env failed (exit {proc.returncode}: {why[:160]})"
+            result = json.loads(lines[-1])
+            merged = {**result, "modes": {**merged.get("modes", {}), **result["modes"]}}
+    return merged
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contender (after one warm-up)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--olmo-core-modes", nargs="*", choices=("eager", "compile"), default=["eager", "compile"],
+                        help="OLMo-core contenders (none: skip OLMo-core)")
     args = parser.parse_args()
     spec = get_preset("olmo3-30m")
     batches = _batches(spec.vocab_size, args.steps + 1)
@@ -107,12 +152,15 @@ def main() -> None:
     rows["olmo-train-torch eager"] = (first_eager, eager)
     rows["olmo-train-torch compile"] = bench_ours(spec, batches, compile_blocks=True)
     rows["transformers Olmo3ForCausalLM"] = bench_transformers(spec, batches)
-    try:
-        import olmo_core  # noqa: F401
-
-        olmo_core_note = "olmo_core is importable but not benchmarked here"
-    except ImportError:
-        olmo_core_note = "OLMo-core: not installed (import olmo_core fails), not benchmarked"
+    peer = bench_olmo_core(spec, batches, args.olmo_core_modes) if args.olmo_core_modes else "not measured (--olmo-core-modes)"
+    if isinstance(peer, dict):
+        for mode, r in peer["modes"].items():
+            rows[f"OLMo-core {mode}"] = (r["first_step_s"], r["step_times"])
+        olmo_core_note = (f"OLMo-core {peer['olmo_core']} on torch {peer['torch']} ({peer['threads']} threads), "
+                          f"model {next(iter(peer['modes'].values()))['config']}, "
+                          f"{param_counts(spec).total:,} parameters (= olmo_model.param_counts)")
+    else:
+        olmo_core_note = f"OLMo-core: {peer}"
 
     results = {}
     for name, (first, times) in rows.items():
@@ -122,12 +170,14 @@ def main() -> None:
             "step_s": step, "first_step_s": first, "tokens_per_second": tps, "mfu": fpt * tps / peak,
         }
     results["olmo-train-torch compile"]["compile_s"] = results["olmo-train-torch compile"]["first_step_s"] - statistics.median(eager)
-    peer = results["transformers Olmo3ForCausalLM"]["tokens_per_second"]
+    peers = [n for n in results if not n.startswith("olmo-train-torch")]
+    best_peer = max(peers, key=lambda n: results[n]["tokens_per_second"])
     for r in results.values():
-        r["vs_transformers"] = r["tokens_per_second"] / peer
+        r["vs_best_peer"] = r["tokens_per_second"] / results[best_peer]["tokens_per_second"]
     meta = {
         "shape": "olmo3-30m", "seq": SEQ, "batch": BATCH, "precision": "fp32", "window": spec.sliding_window,
-        "threads": torch.get_num_threads(), "peak_gflops": peak / 1e9, "olmo_core": olmo_core_note,
+        "threads": torch.get_num_threads(), "peak_gflops": peak / 1e9, "torch": torch.__version__,
+        "olmo_core": olmo_core_note, "best_peer": best_peer,
     }
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -137,15 +187,16 @@ def main() -> None:
 
     table = Table(title=f"train step, olmo3-30m, seq {SEQ}, batch {BATCH}, fp32, {meta['threads']} CPU threads, "
                         f"peak {peak / 1e9:.1f} GFLOP/s (measured torch fp32 matmul)")
-    for col in ("contender", "step s", "tokens/s", "CPU-MFU", "vs transformers", "first step s"):
+    for col in ("contender", "torch", "step s", "tokens/s", "CPU-MFU", "vs best peer", "first step s"):
         table.add_column(col, justify="right" if col != "contender" else "left")
     for name, r in results.items():
-        table.add_row(name, f"{r['step_s']:.2f}", f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}",
-                      f"{r['vs_transformers']:.2f}x", f"{r['first_step_s']:.1f}")
-    Console(width=140).print(table)
+        version = peer["torch"] if name.startswith("OLMo-core") else torch.__version__
+        table.add_row(name, version, f"{r['step_s']:.2f}", f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}",
+                      f"{r['vs_best_peer']:.2f}x", f"{r['first_step_s']:.1f}")
+    Console(width=160).print(table)
+    print(f"best peer: {best_peer}")
     print(f"compile time (first compiled step - eager step): {results['olmo-train-torch compile']['compile_s']:.1f} s")
     print(olmo_core_note)
-
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from olmo_train_torch.moe import (
     moe_step_metrics,
     mxfp8_quantize,
     rank_load_max_over_mean,
+    route,
     top_k_lowest_index_on_ties,
 )
 
@@ -224,11 +225,33 @@ def test_random_routing_is_near_uniform_and_leaves_the_router_untrained():
     out.square().sum().backward()
     assert block.gate.weight.grad is None
     assert block.experts.gate_proj.grad is not None
-    # The same (seed, step, layer, rank) draws the same routing; another step draws another.
+    # The same (seed, step, micro-step, layer) draws the same routing; another step draws another.
     again = block(x)[1].tokens_per_expert
     block.routing_step = 1
     other = block(x)[1].tokens_per_expert
     assert torch.equal(again, stats.tokens_per_expert) and not torch.equal(other, stats.tokens_per_expert)
+
+
+@pytest.mark.parametrize("routing", ["random", "uniform"])
+def test_a_rank_routes_its_rows_of_the_global_micro_batch_as_one_process_would(routing):
+    """Random and uniform routing number tokens in the global micro-batch: 4 data-parallel
+    ranks holding 25 tokens each route them exactly as one process routes all 100."""
+    block = _block()
+    block.routing = routing
+    x = torch.randn(100, 64)
+    whole, whole_stats = block(x)
+    counts = torch.zeros(16, dtype=torch.long)
+    for rank in range(4):
+        block.dp_rank, block.dp_size = rank, 4
+        part, stats = block(x[rank * 25 : (rank + 1) * 25])
+        counts += stats.tokens_per_expert
+        torch.testing.assert_close(part, whole[rank * 25 : (rank + 1) * 25], atol=1e-6, rtol=0)
+    assert torch.equal(counts, whole_stats.tokens_per_expert)
+    if routing == "uniform":
+        # By hand: rank 1's first token is global token 25, whose slots 100..103 go to
+        # experts 100..103 mod 16 = 4..7 (numbering per rank would give 0..3).
+        experts = route(torch.zeros(25, 16), block.spec, "uniform", first_token=25, global_tokens=100)[0].experts
+        assert experts[0].tolist() == [4, 5, 6, 7]
 
 
 def test_uniform_routing_is_exactly_balanced():

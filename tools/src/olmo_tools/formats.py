@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -34,11 +35,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from olmo_model import ModelSpec, hf_config, hf_param_shapes, load_spec, spec_from_hf_config
+from olmo_model import (
+    HFLayoutError,
+    ModelSpec,
+    hf_config,
+    hf_param_shapes,
+    load_spec,
+    spec_from_hf_config,
+    validate_hf_tensors,
+)
 from olmo_model.presets import SpecError
 
 KINDS = ("hf", "olmo-core", "torch", "jax")
-VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -168,35 +176,17 @@ def resolve_spec(stored: ModelSpec | None, given: str | ModelSpec | None, origin
 
 
 def validate(ckpt: Checkpoint) -> None:
-    """Every expected tensor present with its shape, nothing unexpected, a float dtype."""
-    expected = hf_param_shapes(ckpt.spec)
-    spec = ckpt.spec
-    for name, shape in expected.items():
-        if name not in ckpt.stored:
-            raise CheckpointError(
-                f"{ckpt.origin}: missing tensor '{name}' (expected shape {shape} for spec '{spec.name}'); "
-                "the checkpoint is incomplete or was written for another architecture"
-            )
-        got, dtype = ckpt.stored[name]
-        if not dtype.is_floating_point:
-            raise CheckpointError(f"{ckpt.origin}: tensor '{name}' has dtype {dtype}; parameters must be floating point")
-        if got == shape:
-            continue
-        if name in VOCAB_TENSORS and got[1:] == shape[1:]:
-            raise CheckpointError(
-                f"{ckpt.origin}: vocab mismatch in tensor '{name}': {got[0]} rows but the spec's padded_vocab_size "
-                f"is {spec.padded_vocab_size}; use a spec whose (padded) vocab matches the checkpoint's tokenizer"
-            )
-        raise CheckpointError(
-            f"{ckpt.origin}: tensor '{name}' has shape {got}, spec '{spec.name}' expects {shape}; "
-            "pass the spec the checkpoint was trained with"
+    """Every expected tensor present with its shape, nothing unexpected, a float dtype
+    (``olmo_model.validate_hf_tensors``, its error raised as a CheckpointError)."""
+    try:
+        validate_hf_tensors(
+            ckpt.spec,
+            {name: shape for name, (shape, _) in ckpt.stored.items()},
+            ckpt.origin,
+            dtypes={name: dtype for name, (_, dtype) in ckpt.stored.items()},
         )
-    unexpected = [name for name in ckpt.stored if name not in expected]
-    if unexpected:
-        raise CheckpointError(
-            f"{ckpt.origin}: unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all) is not a parameter "
-            f"of spec '{spec.name}'; check n_layers/qk_norm in the spec, or the checkpoint's origin"
-        )
+    except HFLayoutError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def checked_tensor(ckpt: Checkpoint, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -366,15 +356,43 @@ def _single_process() -> Iterator[None]:
         yield
 
 
+def _dcp_reader(path: Path):
+    """torch's FileSystemReader, also for DCPs that OLMo-core wrote, without importing OLMo-core.
+
+    OLMo-core's writer (olmo_core.distributed.checkpoint.filesystem) pickles its own copy of
+    torch's per-item record ``_StorageInfo`` (relative_path, offset, length) into .metadata;
+    the tensor bytes are torch.save blobs as torch writes them. Unpickling maps that class
+    onto torch's, so torch's reader reads the rest unchanged."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if module == "olmo_core.distributed.checkpoint.filesystem" and name == "_StorageInfo":
+                return _StorageInfo
+            return super().find_class(module, name)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            with open(path / DCP_METADATA, "rb") as f:
+                metadata = Unpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(str(path))
+
+
 class DCPDir:
     """A torch.distributed.checkpoint directory read one tensor per ``load`` (no process group)."""
 
     def __init__(self, path: Path):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = path
-        meta = FileSystemReader(str(path)).read_metadata()
+        meta = _dcp_reader(path).read_metadata()
         self.tensors = {
             key: (tuple(m.size), m.properties.dtype)
             for key, m in meta.state_dict_metadata.items()
@@ -387,7 +405,7 @@ class DCPDir:
         shape, dtype = self.tensors[key]
         out = torch.empty(shape, dtype=dtype)
         with _single_process():
-            dcp.load({key: out}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+            dcp.load({key: out}, storage_reader=_dcp_reader(self.path), no_dist=True)
         return out
 
 

@@ -1,6 +1,7 @@
 """Our two trainers' model checkpoints as ``olmo_tools.formats.Checkpoint`` readers and writers.
 
-- ``torch:DIR``: ``spec.json`` (the ModelSpec as JSON) and the ``OlmoModel`` state dict
+- ``torch:DIR``: ``spec.json`` (the ModelSpec as JSON; a trainer checkpoint folder has it in
+  ``meta.json`` instead) and the ``OlmoModel`` state dict
   (olmo_train_torch's own parameter names), either as a torch.distributed.checkpoint in
   DIR (keys as they are, or under ``model.`` as a trainer checkpoint with its optimizer
   stores them) or as ``DIR/model.pt``. Read one tensor at a time; the name mapping is
@@ -35,17 +36,30 @@ from .formats import (
 )
 
 SPEC_FILE = "spec.json"
+META_FILE = "meta.json"  # written last into each trainer checkpoint (olmo_model.runlog)
 TORCH_FILE = "model.pt"
 JAX_STATE = "state"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_spec_file(path: Path) -> ModelSpec:
+    """The ModelSpec of a torch:/jax: folder: its spec.json or, for one checkpoint folder of a
+    training run (``runs/NAME/checkpoints/step-N``), the spec recorded in its meta.json."""
     file = path / SPEC_FILE
+    if not file.is_file() and (path / META_FILE).is_file():
+        file = path / META_FILE
     if not file.is_file():
-        raise CheckpointError(f"{file}: not found; torch:/jax: directories carry their ModelSpec as spec.json")
+        raise CheckpointError(
+            f"{path / SPEC_FILE}: not found; torch:/jax: directories carry their ModelSpec as spec.json "
+            f"(a trainer checkpoint folder carries it in {META_FILE})"
+        )
     try:
-        return spec_from_dict(json.loads(file.read_text()), source=str(file))
+        data = json.loads(file.read_text())
+        if file.name == META_FILE:
+            if "spec" not in data:
+                raise CheckpointError(f"{file}: has no 'spec' entry; is this a checkpoint of olmo-train-torch/jax?")
+            data = data["spec"]
+        return spec_from_dict(data, source=str(file))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{file}: not valid JSON ({err}); rewrite it from ModelSpec.model_dump_json()") from None
     except SpecError as err:

@@ -1,12 +1,15 @@
 """olmo-parity: do two checkpoints/implementations compute the same model?
 
     uv run --frozen olmo-parity logits A B [--seq-len 128] [--batch 2] [--dtype float32|bfloat16]
-        [--seed 0] [--tokens FILE] [--json] [--max-kl X] [--min-top1 Y] [--impl-a torch|jax] [--impl-b torch|jax]
+        [--dtype-a D] [--dtype-b D] [--seed 0] [--tokens FILE] [--json] [--max-kl X] [--min-top1 Y]
+        [--impl-a torch|jax] [--impl-b torch|jax]
 
 A and B are ``hf:DIR``, ``olmo-core:PATH``, ``torch:DIR``, ``jax:DIR`` (olmo-convert's
 formats) or ``hf-ref:DIR`` (transformers' own Olmo3ForCausalLM.from_pretrained(DIR)).
 torch: runs our torch model, jax: our NNX model (jitted), hf:/olmo-core: our torch
-model unless --impl-a/--impl-b say jax. Both run on the same tokens (seeded random ids,
+model unless --impl-a/--impl-b say jax. --dtype sets both sides' weights and compute;
+--dtype-a/--dtype-b override one side (e.g. ours in bf16 against an fp32 reference). Both
+run on the same tokens (seeded random ids,
 or a .npy / raw OLMo token file); on the host, in float64, per position:
 KL(P_A || P_B), top-1 agreement and |logit_A - logit_B|. Logits are computed a few
 sequences at a time, so B x S x V never has to fit at once. Exit status: 0 when every
@@ -171,8 +174,9 @@ def compare(a: Side, b: Side, ids: np.ndarray, chunk_elements: int = CHUNK_ELEME
 def run_logits(args: argparse.Namespace) -> int:
     if args.seq_len <= 0 or args.batch <= 0:
         raise CheckpointError(f"--seq-len {args.seq_len} and --batch {args.batch} must be positive")
-    a = load_side(args.a, args.impl_a, args.dtype, args.spec)
-    b = load_side(args.b, args.impl_b, args.dtype, args.spec)
+    dtype_a, dtype_b = args.dtype_a or args.dtype, args.dtype_b or args.dtype
+    a = load_side(args.a, args.impl_a, dtype_a, args.spec)
+    b = load_side(args.b, args.impl_b, dtype_b, args.spec)
     diff = spec_disagreement(a.spec, b.spec)
     if diff:
         raise CheckpointError(f"{args.a} and {args.b} are different models ({'; '.join(diff[:3])}); compare like with like")
@@ -194,7 +198,8 @@ def run_logits(args: argparse.Namespace) -> int:
         "spec": a.spec.name,
         "batch": args.batch,
         "seq_len": args.seq_len,
-        "dtype": args.dtype,
+        "dtype_a": dtype_a,
+        "dtype_b": dtype_b,
         "tokens": args.tokens or f"random (seed {args.seed})",
         **metrics,
         "max_kl": args.max_kl,
@@ -205,11 +210,11 @@ def run_logits(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        table = Table(title=f"olmo-parity logits: {a.spec.name}, {args.batch} x {args.seq_len} tokens, {args.dtype}")
+        table = Table(title=f"olmo-parity logits: {a.spec.name}, {args.batch} x {args.seq_len} tokens")
         table.add_column("metric")
         table.add_column("value", justify="right")
-        table.add_row("A", f"{args.a} ({a.impl})")
-        table.add_row("B", f"{args.b} ({b.impl})")
+        table.add_row("A", f"{args.a} ({a.impl}, {dtype_a})")
+        table.add_row("B", f"{args.b} ({b.impl}, {dtype_b})")
         table.add_row("KL(A||B) mean", f"{metrics['kl_mean']:.3e}")
         table.add_row("KL(A||B) max", f"{metrics['kl_max']:.3e}")
         table.add_row("top-1 agreement", f"{metrics['top1_agreement']:.2%}")
@@ -226,6 +231,8 @@ def add_logits_command(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype of both sides")
+    p.add_argument("--dtype-a", choices=sorted(DTYPES), help="A's parameter and compute dtype (default: --dtype)")
+    p.add_argument("--dtype-b", choices=sorted(DTYPES), help="B's parameter and compute dtype (default: --dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (numpy default_rng)")
     p.add_argument("--tokens", help="token ids instead of random ones: .npy, or a raw OLMo token file")
     p.add_argument("--tokens-dtype", choices=("uint16", "uint32"), default="uint32", help="element type of a raw token file")

@@ -1,6 +1,6 @@
 """olmo_model: the one Olmo 3 model spec shared by the JAX and the Torch trainer."""
 
-from .hf import hf_config, hf_param_shapes, spec_from_hf_config
+from .hf import HFLayoutError, hf_config, hf_param_shapes, spec_from_hf_config, validate_hf_tensors
 from .maths import (
     PEAKS,
     DevicePeak,

@@ -3,10 +3,15 @@
 HF's ``vocab_size`` is the padded (embedding) size; the tokenizer's own vocab size and
 the fields HF has no place for travel under ``olmo_*`` keys, which transformers keeps
 as plain attributes, so a spec survives ModelSpec -> config.json -> ModelSpec exactly.
+
+``validate_hf_tensors`` is the one check that a set of HF-named tensors fits a spec; the
+Torch and JAX adapters and olmo-convert run it before they copy or write anything.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .presets import SpecError, spec_from_dict
@@ -171,3 +176,122 @@ def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (d,)
     shapes["lm_head.weight"] = (spec.padded_vocab_size, d)
     return shapes
+
+
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_MOE_SUFFIX = re.compile(r"mlp\.(gate\.weight|experts\.\d+\..+|shared_experts\.\d+\..+)")
+_DENSE_MLP_SUFFIX = re.compile(r"mlp\.(gate|up|down)_proj\.weight")
+# transformers 5 fuses OLMoE's per-expert weights in memory (olmo_model.hf_moe docstring).
+_FUSED_EXPERTS_SUFFIX = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+class HFLayoutError(ValueError):
+    """HF-named tensors that do not fit a spec; the one-line message names the source, the
+    tensor, what the spec expects, what was found and the fix."""
+
+
+def _unexpected_fix(spec: ModelSpec, name: str) -> str:
+    """The fix for an unexpected tensor, as specific as its name allows."""
+    generic = (
+        "build the spec from the checkpoint's config.json (olmo_model.spec_from_hf_config), "
+        "or check n_layers/qk_norm/moe"
+    )
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None:
+        return generic
+    layer, suffix = int(match[1]), match[2]
+    if layer >= spec.n_layers:
+        return f"the checkpoint has more layers than n_layers={spec.n_layers}; {generic}"
+    if _FUSED_EXPERTS_SUFFIX.fullmatch(suffix):
+        if spec.moe is None:
+            return (
+                "an OLMoE checkpoint, but the spec has no moe section: "
+                "build it with olmo_model.hf_moe.spec_from_olmoe_config"
+            )
+        return (
+            "transformers' fused OLMoE expert layout: "
+            "split each layer with olmo_model.hf_moe.block_tensors_from_olmoe"
+        )
+    if suffix == "input_layernorm.weight":
+        return (
+            "a pre-norm (OLMoE/Llama) layer, which the spec's reordered-norm blocks cannot hold "
+            "(olmo_model.hf_moe: OLMoE moves per MoE block, not per model)"
+        )
+    if _MOE_SUFFIX.fullmatch(suffix) and not spec.is_moe_layer(layer):
+        return (
+            f"an MoE tensor, but layer {layer} of the spec is dense: give the spec a moe section "
+            "(olmo_model.hf_moe.spec_from_olmoe_config for an OLMoE config) or include the layer in moe.layers"
+        )
+    if _DENSE_MLP_SUFFIX.fullmatch(suffix) and spec.is_moe_layer(layer):
+        return f"a dense MLP tensor, but layer {layer} of the spec is MoE: check moe.layers"
+    if suffix.startswith("mlp.") and spec.moe is not None:
+        return f"check moe.n_experts={spec.moe.n_experts} and moe.n_shared_experts={spec.moe.n_shared_experts}"
+    return generic
+
+
+def _more(names: Sequence[str]) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def validate_hf_tensors(
+    spec: ModelSpec,
+    shapes: Mapping[str, Sequence[int]],
+    source: str,
+    *,
+    strict: bool = True,
+    dtypes: Mapping[str, Any] | None = None,
+) -> None:
+    """Raise one ``HFLayoutError`` line unless the HF-named tensors ``shapes`` (name -> shape)
+    are exactly ``hf_param_shapes(spec)``; messages start with ``source`` (the file or folder).
+
+    Checked in this order, the first failure reported (with a count of the others of its kind):
+    unexpected names, missing names, a vocab mismatch (embedding or head rows differ from
+    padded_vocab_size, the rest of the shape fits), a wrong shape, and, when ``dtypes`` (name ->
+    dtype, as numpy or torch print it: ``float32``, ``torch.bfloat16``) is given, a
+    non-floating dtype. ``strict=False`` ignores unexpected and skips missing tensors; a wrong
+    shape or dtype is always an error."""
+    expected = hf_param_shapes(spec)
+    if strict:
+        unexpected = [name for name in shapes if name not in expected]
+        if unexpected:
+            name = unexpected[0]
+            raise HFLayoutError(
+                f"{source}: unexpected tensor '{name}'{_more(unexpected)} is not a parameter of spec '{spec.name}' "
+                f"(n_layers={spec.n_layers}, qk_norm={spec.qk_norm}, moe={spec.moe is not None}); "
+                f"{_unexpected_fix(spec, name)}"
+            )
+        missing = [name for name in expected if name not in shapes]
+        if missing:
+            name = missing[0]
+            raise HFLayoutError(
+                f"{source}: missing tensor '{name}' (expected shape {expected[name]}){_more(missing)} for spec "
+                f"'{spec.name}'; the checkpoint is incomplete or was written for another spec: build the spec "
+                "from its config.json (olmo_model.spec_from_hf_config)"
+            )
+    present = [name for name in expected if name in shapes]
+    wrong = [name for name in present if tuple(shapes[name]) != expected[name]]
+    for name in wrong:
+        got, want = tuple(shapes[name]), expected[name]
+        if name in VOCAB_TENSORS and len(got) == len(want) and got[1:] == want[1:]:
+            raise HFLayoutError(
+                f"{source}: vocab mismatch in '{name}': checkpoint has {got[0]} rows, spec padded_vocab_size is "
+                f"{spec.padded_vocab_size}; set padded_vocab_size (and vocab_size) to the checkpoint's "
+                "(olmo_model.spec_from_hf_config reads them from its config.json)"
+            )
+    if wrong:
+        name = wrong[0]
+        raise HFLayoutError(
+            f"{source}: tensor '{name}' has shape {tuple(shapes[name])}, expected {expected[name]}{_more(wrong)} "
+            f"for spec '{spec.name}'; the checkpoint was written for another model size: build the spec from its "
+            "config.json (check d_model, n_heads, n_kv_heads, mlp_hidden, moe)"
+        )
+    if dtypes is None:
+        return
+    for name in present:
+        dtype = str(dtypes[name]).removeprefix("torch.")
+        if not dtype.startswith(("float", "bfloat")):
+            raise HFLayoutError(
+                f"{source}: tensor '{name}' has dtype {dtype}, expected a floating-point type; "
+                "re-export the weights as float32 or bfloat16"
+            )

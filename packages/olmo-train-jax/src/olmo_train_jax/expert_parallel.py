@@ -55,7 +55,7 @@ def expert_partition_spec(path: tuple[str, ...], shape: tuple[int, ...]) -> P | 
     return P(None, EXPERT_AXIS, *([None] * (len(shape) - 2)))
 
 
-def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tuple[str, ...]):
+def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tuple[str, ...], mxfp8: bool):
     """The per-device body of the expert-parallel routed experts (module docstring, 1-4)."""
     n_tokens, k = experts.shape
     d = x.shape[-1]
@@ -77,7 +77,7 @@ def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tup
     recv_ids = jax.lax.all_to_all(send_ids.reshape(ep * n_assign), EXPERT_AXIS, 0, 0, tiled=True)
 
     recv_order, sizes = sort_by_expert(recv_ids, local_experts_n)
-    computed = grouped_swiglu(recv[recv_order], w, sizes)
+    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8)
     outputs = jnp.zeros_like(computed).at[recv_order].set(computed)
     back = jax.lax.all_to_all(outputs, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, n_assign, d)
 
@@ -85,8 +85,9 @@ def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tup
     return combine(ys, weights), jax.lax.psum(jnp.sum(sizes), token_axes)
 
 
-def expert_parallel_experts(mesh: Mesh) -> ExpertsFn:
-    """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis.
+def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
+    """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis
+    (``mxfp8``: the MXFP8 emulation of ``moe.grouped_swiglu``).
     Without one (or with size 1) there is no all-to-all: each device computes its own
     tokens with all experts, which is still what a data-parallel mesh wants, since the
     global-view ``local_experts`` would sort the tokens of every device together."""
@@ -111,9 +112,9 @@ def expert_parallel_experts(mesh: Mesh) -> ExpertsFn:
                 f"mesh axes {token_axes}; make batch x sequence a multiple of {token_shards}"
             )
         if ep == 1:
-            body = functools.partial(_local_with_count, token_axes=token_axes)
+            body = functools.partial(_local_with_count, token_axes=token_axes, mxfp8=mxfp8)
         else:
-            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes)
+            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8)
         expert_w = ExpertWeights(expert_split, expert_split, expert_split)
         return jax.shard_map(
             body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P())
@@ -122,14 +123,15 @@ def expert_parallel_experts(mesh: Mesh) -> ExpertsFn:
     return experts_fn
 
 
-def _local_with_count(x, experts, weights, w: ExpertWeights, *, token_axes: tuple[str, ...]):
-    out, computed = local_experts(x, experts, weights, w)
+def _local_with_count(x, experts, weights, w: ExpertWeights, *, token_axes: tuple[str, ...], mxfp8: bool):
+    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8)
     return out, jax.lax.psum(computed, token_axes)
 
 
-def apply_expert_parallel(model: OlmoModel, mesh: Mesh) -> None:
+def apply_expert_parallel(model: OlmoModel, mesh: Mesh, *, mxfp8: bool = False) -> None:
     """Make ``model``'s MoE layers run their routed experts under ``mesh`` (over its expert
-    axis when it has one); call before ``nnx.split`` so the graphdef carries it."""
+    axis when it has one; ``mxfp8``: emulated MXFP8 expert matmuls); call before
+    ``nnx.split`` so the graphdef carries it."""
     if model.spec.moe is None:
         raise ValueError(f"spec '{model.spec.name}' has no moe section; expert parallelism needs an MoE spec")
     ep = mesh.shape.get(EXPERT_AXIS, 1)
@@ -138,4 +140,4 @@ def apply_expert_parallel(model: OlmoModel, mesh: Mesh) -> None:
             f"moe.n_experts={model.spec.moe.n_experts} is not divisible by the expert mesh axis ({ep}); "
             "choose jax.mesh.expert among the divisors of n_experts"
         )
-    model.experts_fn = expert_parallel_experts(mesh)
+    model.experts_fn = expert_parallel_experts(mesh, mxfp8=mxfp8)

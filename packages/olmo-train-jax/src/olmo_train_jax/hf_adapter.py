@@ -2,8 +2,8 @@
 
 HF stores one tensor per layer with torch.nn.Linear's (out, in) layout; ``OlmoModel`` stacks
 layers on a leading axis and keeps (in, out) kernels. ``to_hf`` unstacks and transposes,
-``load_hf`` checks every name and shape against ``olmo_model.hf_param_shapes(spec)`` before
-it changes anything, then stacks and transposes back.
+``load_hf`` checks every name, shape and dtype (``olmo_model.validate_hf_tensors``) before it
+changes anything, then stacks and transposes back.
 
 MoE layers use the per-expert names of ``hf_param_shapes`` (``mlp.gate.weight`` the router,
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.{s}...``): routed expert
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from olmo_model import ModelSpec, hf_param_shapes
+from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
 
 from .model import OlmoModel
 
@@ -46,11 +46,8 @@ _LAYER: dict[str, tuple[str, bool]] = {
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.(experts|shared_experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-class CheckpointMismatchError(ValueError):
-    """HF tensors that do not fit the spec; the message names the tensor and the fix."""
+# This package's name for olmo_model's error: one type, whichever side finds the mismatch.
+CheckpointMismatchError = HFLayoutError
 
 
 def _slot(spec: ModelSpec, name: str) -> tuple[str | None, str, int | None, tuple, bool]:
@@ -93,50 +90,18 @@ def to_hf(model: OlmoModel, spec: ModelSpec) -> dict[str, np.ndarray]:
     return out
 
 
-def validate_hf(spec: ModelSpec, tensors: Mapping[str, np.ndarray]) -> None:
-    """Raise CheckpointMismatchError on the first unexpected, missing, wrong-vocab or wrong-shape tensor."""
-    expected = hf_param_shapes(spec)
-    unexpected = [name for name in tensors if name not in expected]
-    if unexpected:
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointMismatchError(
-            f"unexpected tensor '{unexpected[0]}'{more}: the spec (n_layers={spec.n_layers}, "
-            f"qk_norm={spec.qk_norm}) has no such parameter; build the spec from the checkpoint's "
-            "config.json (olmo_model.spec_from_hf_config) or drop the tensor"
-        )
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointMismatchError(
-            f"missing tensor '{missing[0]}'{more}, expected shape {expected[missing[0]]}; "
-            "the checkpoint is incomplete or was written for a different spec (check n_layers, qk_norm)"
-        )
-    for name in _VOCAB_TENSORS:
-        rows = np.shape(tensors[name])[0] if np.ndim(tensors[name]) else None
-        if rows != spec.padded_vocab_size:
-            raise CheckpointMismatchError(
-                f"vocab mismatch in '{name}': checkpoint has {rows} rows, spec padded_vocab_size="
-                f"{spec.padded_vocab_size}; set padded_vocab_size (and vocab_size) to the checkpoint's, "
-                "e.g. via olmo_model.spec_from_hf_config"
-            )
-    for name, shape in expected.items():
-        got = tuple(np.shape(tensors[name]))
-        if got != shape:
-            raise CheckpointMismatchError(
-                f"wrong shape for '{name}': expected {shape}, got {got}; the checkpoint's sizes differ "
-                "from the spec (check d_model, n_heads, n_kv_heads, mlp_hidden)"
-            )
-        dtype = np.asarray(tensors[name]).dtype
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise CheckpointMismatchError(
-                f"tensor '{name}' has dtype {dtype}, expected a floating-point type; re-export the weights"
-            )
+def validate_hf(spec: ModelSpec, tensors: Mapping[str, np.ndarray], source: str = "checkpoint") -> None:
+    """Raise CheckpointMismatchError on the first unexpected, missing, wrong-vocab, wrong-shape or
+    non-floating tensor (``olmo_model.validate_hf_tensors``); the message starts with ``source``."""
+    shapes = {name: np.shape(t) for name, t in tensors.items()}
+    validate_hf_tensors(spec, shapes, source, dtypes={name: t.dtype for name, t in tensors.items()})
 
 
-def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray]) -> None:
-    """Overwrite ``model``'s weights in place from HF-named tensors, after validating all of them."""
+def load_hf(model: OlmoModel, tensors: Mapping[str, np.ndarray], *, source: str = "checkpoint") -> None:
+    """Overwrite ``model``'s weights in place from HF-named tensors, after validating all of them;
+    errors start with ``source`` (the file the tensors came from)."""
     spec = model.spec
-    validate_hf(spec, tensors)
+    validate_hf(spec, tensors, source)
     dtype = model.param_dtype
     buffers: dict[tuple[str | None, str], np.ndarray] = {}
     for name in hf_param_shapes(spec):
@@ -162,11 +127,13 @@ def model_from_hf(
     param_dtype=jnp.float32,
     dtype=jnp.float32,
     remat: str = "none",
+    *,
+    source: str = "checkpoint",
 ) -> OlmoModel:
     """A model holding the given HF weights; the random initialisation is only traced for shapes
     (nnx.eval_shape), never computed, so a large model costs one copy of its weights."""
     model = nnx.eval_shape(
         lambda: OlmoModel(spec, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, remat=remat)
     )
-    load_hf(model, tensors)
+    load_hf(model, tensors, source=source)
     return model

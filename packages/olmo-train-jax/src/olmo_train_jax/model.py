@@ -8,19 +8,31 @@ Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
   (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
 - RoPE in the rotate-half layout, inverse frequencies in float32 as transformers computes
   them; YaRN (with its attention factor on cos/sin) on full_attention layers only;
-- GQA; attention through ``jax.nn.dot_product_attention`` with a boolean mask that holds the
-  causal band, the sliding window of that layer and, optionally, document boundaries;
+- GQA; attention through ``jax.nn.dot_product_attention``: causal, the sliding window of
+  that layer (static per layer, see below) and, optionally, document boundaries;
 - SwiGLU MLP, or a mixture-of-experts block (``moe.py``: router, top-k, routed SwiGLU
   experts as grouped ``ragged_dot`` matmuls, shared experts) when the spec has ``moe``;
   no biases anywhere.
 
 Parameter layout: the per-layer weights are STACKED along a leading ``n_layers`` axis
-(``model.layers.q_proj`` is [n_layers, d_model, q_width]) and the block runs under
-``jax.lax.scan``. One traced block keeps compile time flat in depth, and the layer axis is a
-plain array axis that a sharding module can leave replicated or split (pipeline stages)
-without touching this file. Because the block is traced once, a layer's attention kind
-enters as data: a per-layer window length (global layers get an unreachable window) and a
-per-layer flag choosing the YaRN or the plain RoPE table, so any explicit layer pattern works.
+(``model.layers.q_proj`` is [n_layers, d_model, q_width]); the forward views each as
+[n_layers / P, P, ...] (a free reshape) and runs ``jax.lax.scan`` over the n_layers / P
+repeats of the layer pattern, P the pattern's period (``scan_period``: 4 for Olmo 3's
+3 sliding : 1 global; n_layers, i.e. fully unrolled, for a non-periodic explicit pattern).
+Inside the scanned body the P layers are unrolled, so each layer's attention kind (window
+length, RoPE or YaRN table) is STATIC: attention picks its kernel at trace time (causal
+without a mask array, a blocked local window, or a dense static mask) instead of masking
+S x S scores with data. Compile time stays flat in depth (one period is traced), and the
+layer axis is a plain array axis that a sharding module can leave replicated or split
+without touching this file.
+
+Attention (``attention``): global layers, and sliding layers whose window covers the
+sequence, call ``jax.nn.dot_product_attention(is_causal=True)``; a sliding window W much
+shorter than S runs blocked: query blocks of W positions attend to the keys of their own
+and the previous block under one static band mask, O(S W) memory and FLOPs instead of
+O(S^2); for S too short for blocking to pay, a dense call with ``local_window_size``.
+Document masking (``doc_ids``) adds a per-batch mask to whichever path runs: dense
+[B, 1, S, S] for global layers, per block for blocked ones.
 
 Linear weights are (in, out) kernels, the JAX convention; ``hf_adapter`` transposes to and
 from transformers' (out, in). Parameters live in ``param_dtype`` (float32 master weights);
@@ -31,13 +43,14 @@ holds no sharding: a trainer's sharding module places the parameters from outsid
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from olmo_model import FULL, ModelSpec, YarnSpec
+from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
 
 from .moe import ROUTING_MODES, ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 
@@ -49,10 +62,6 @@ REMAT_POLICIES: dict[str, object] = {
     "block": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-# A global layer's "window": larger than any query-key distance, so the band never cuts.
-_NO_WINDOW = np.iinfo(np.int32).max
-
 
 def _truncated_normal(rngs: nnx.Rngs, shape: tuple[int, ...], spec: ModelSpec, dtype) -> nnx.Param:
     cut = spec.init_cutoff
@@ -116,6 +125,87 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
+def scan_period(layer_types: tuple[str, ...]) -> int:
+    """Smallest P dividing n_layers with layer_types[i] == layer_types[i % P] for every i: the
+    scan walks n_layers / P repeats of P unrolled layers (Olmo 3: P = 4; a non-periodic
+    pattern: P = n_layers, one repeat, every layer unrolled)."""
+    n = len(layer_types)
+    return next(
+        p for p in range(1, n + 1) if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n))
+    )
+
+
+def _blocking_pays(seq_len: int, window: int) -> bool:
+    """Blocked local attention scores 2W keys per query (over S padded to a multiple of W), the
+    dense path S keys; blocking also costs padding and a 2x copy of k/v, so it is taken only
+    where it at least halves the scores (roughly S >= 4W)."""
+    padded = -(-seq_len // window) * window
+    return 4 * padded * window <= seq_len * seq_len
+
+
+def _same_document(doc_q: jax.Array, doc_k: jax.Array) -> jax.Array:
+    """[..., Tq], [..., Tk] -> [..., 1, Tq, Tk]: a query may see a key of its own document."""
+    return (doc_q[..., :, None] == doc_k[..., None, :])[..., None, :, :]
+
+
+def _local_band(n_blocks: int, window: int) -> np.ndarray:
+    """[n_blocks, 1, W, 2W] static mask of the blocked path: query block i (positions iW + a)
+    against the keys of blocks i-1 and i (positions (i-1)W + b), allowed where the distance
+    is in [0, W) and the key exists (block 0 has no previous block: its keys are padding)."""
+    a = np.arange(window)[:, None]
+    b = np.arange(2 * window)[None, :]
+    distance = window + a - b
+    band = (distance >= 0) & (distance < window)
+    key_pos = (np.arange(n_blocks)[:, None, None] - 1) * window + b[None]
+    return (band[None] & (key_pos >= 0))[:, None]
+
+
+def _blocked_local_attention(q, k, v, window: int, doc_ids: jax.Array | None) -> jax.Array:
+    """Sliding-window causal attention in O(S W): q [B, S, N, H], k/v [B, S, K, H]."""
+    B, S, N, H = q.shape
+    n_blocks = -(-S // window)
+    pad = n_blocks * window - S
+
+    def key_blocks(x: jax.Array, fill) -> jax.Array:
+        # [B, S, ...] -> [B, n_blocks, 2W, ...]: each block's own keys behind the previous block's.
+        widths = [(0, 0), (window, pad)] + [(0, 0)] * (x.ndim - 2)
+        x = jnp.pad(x, widths, constant_values=fill).reshape(B, n_blocks + 1, window, *x.shape[2:])
+        return jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2)
+
+    def query_blocks(x: jax.Array) -> jax.Array:
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.pad(x, widths).reshape(B, n_blocks, window, *x.shape[2:])
+
+    qb = query_blocks(q).reshape(B * n_blocks, window, N, H)
+    kb = key_blocks(k, 0).reshape(B * n_blocks, 2 * window, *k.shape[2:])
+    vb = key_blocks(v, 0).reshape(B * n_blocks, 2 * window, *v.shape[2:])
+    mask = jnp.asarray(_local_band(n_blocks, window))[None]  # [1, n_blocks, 1, W, 2W]
+    if doc_ids is not None:
+        mask = mask & _same_document(query_blocks(doc_ids), key_blocks(doc_ids, -1))
+    mask = jnp.broadcast_to(mask, (B, n_blocks, 1, window, 2 * window)).reshape(B * n_blocks, 1, window, 2 * window)
+    out = jax.nn.dot_product_attention(qb, kb, vb, mask=mask, implementation=None)
+    return out.reshape(B, n_blocks * window, N, H)[:, :S]
+
+
+def attention(q, k, v, window: int | None, doc_ids: jax.Array | None = None) -> jax.Array:
+    """Causal attention of one layer, its kind static: q [B, S, N, H], k/v [B, S, K, H] (GQA
+    when K < N), ``window`` the keys a query sees including itself (None: global), ``doc_ids``
+    [B, S] restricts each query to its document. Returns [B, S, N, H].
+
+    ``implementation=None`` is XLA in jax 0.10; the causal flag and ``local_window_size``
+    (not a mask array) are what a fused kernel (cuDNN) needs to skip the masked blocks."""
+    S = q.shape[1]
+    doc_mask = None if doc_ids is None else _same_document(doc_ids, doc_ids)  # [B, 1, S, S]
+    if window is None or window >= S:
+        return jax.nn.dot_product_attention(q, k, v, mask=doc_mask, is_causal=True, implementation=None)
+    if _blocking_pays(S, window):
+        return _blocked_local_attention(q, k, v, window, doc_ids)
+    # local_window_size=(left, right): keys at distance <= left, i.e. < window.
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=doc_mask, is_causal=True, local_window_size=(window - 1, 0), implementation=None
+    )
+
+
 class StackedLayers(nnx.Module):
     """All decoder layers' weights, each with a leading n_layers axis."""
 
@@ -174,7 +264,7 @@ class OlmoModel(nnx.Module):
         remat: str = "none",
     ):
         if spec.moe is not None and not all(spec.is_moe_layer(i) for i in range(spec.n_layers)):
-            # One scanned block means one parameter layout for every layer.
+            # One stacked layout means one parameter layout for every layer.
             raise NotImplementedError(
                 f"spec '{spec.name}': moe.layers={list(spec.moe.layers or [])} mixes dense and MoE layers, "
                 "which the stacked (scanned) JAX layers cannot hold; set moe.layers to null (every layer MoE)"
@@ -229,31 +319,37 @@ class OlmoModel(nnx.Module):
         seq_len = input_ids.shape[1]
         x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
 
-        sliding = _cos_sin(*rope_inv_freq(spec, None), seq_len)
-        full = _cos_sin(*rope_inv_freq(spec, spec.yarn), seq_len)
-        pos = jnp.arange(seq_len, dtype=jnp.int32)
-        distance = pos[:, None] - pos[None, :]  # query minus key
-        allowed = distance >= 0  # [S, S] causal
-        if doc_ids is None:
-            allowed = allowed[None, None]
-        else:
-            allowed = allowed[None, None] & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+        rope = {
+            SLIDING: _cos_sin(*rope_inv_freq(spec, None), seq_len),
+            FULL: _cos_sin(*rope_inv_freq(spec, spec.yarn), seq_len),
+        }
+        n_layers = spec.n_layers
+        period = scan_period(spec.layer_types)
+        policy = REMAT_POLICIES[self.remat]
 
-        windows = jnp.asarray([spec.window_of(i) or _NO_WINDOW for i in range(spec.n_layers)], jnp.int32)
-        is_full = jnp.asarray([kind == FULL for kind in spec.layer_types])
-        layer_index = jnp.arange(spec.n_layers, dtype=jnp.int32)
+        def layer(h, weights, repeat, p):
+            # Layer repeat * period + p: its kind is layer_types[p], known at trace time.
+            cos, sin = rope[spec.layer_types[p]]
+            key = None if routing_key is None else jax.random.fold_in(routing_key, repeat * period + p)
+            return self._block(h, weights, cos, sin, spec.window_of(p), doc_ids, routing, key)
 
-        def block(h, layer):
-            weights, window, full_layer, index = layer
-            cos = jnp.where(full_layer, full[0], sliding[0])
-            sin = jnp.where(full_layer, full[1], sliding[1])
-            mask = allowed & (distance < window)[None, None]
-            key = None if routing_key is None else jax.random.fold_in(routing_key, index)
-            return self._block(h, weights, cos, sin, mask, routing, key)
+        def body(h, xs):
+            weights, repeat = xs
+            stats = []
+            for p in range(period):
+                fn = functools.partial(layer, p=p)
+                if policy is not None:
+                    fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+                h, layer_stats = fn(h, {name: w[p] for name, w in weights.items()}, repeat)
+                stats.append(layer_stats)
+            return h, (None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats))
 
-        if REMAT_POLICIES[self.remat] is not None:
-            block = jax.checkpoint(block, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-        x, per_layer = jax.lax.scan(block, x, (self.layers.arrays(), windows, is_full, layer_index))
+        # [n_layers, ...] -> [repeats, period, ...]: a free reshape of the stacked layout.
+        grouped = {n: w.reshape(n_layers // period, period, *w.shape[1:]) for n, w in self.layers.arrays().items()}
+        repeats = jnp.arange(n_layers // period, dtype=jnp.int32)
+        x, per_layer = jax.lax.scan(body, x, (grouped, repeats))
+        # [repeats, period, ...] -> [n_layers, ...] in layer order, as one scan over layers gave.
+        per_layer = jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), per_layer)
 
         x = rms_norm(x, self.final_norm[...], spec.norm_eps)
         head = self.lm_head[...].astype(dtype)
@@ -268,7 +364,7 @@ class OlmoModel(nnx.Module):
         )
         return logits, stats
 
-    def _block(self, x, w, cos, sin, mask, routing, key):
+    def _block(self, x, w, cos, sin, window, doc_ids, routing, key):
         spec, dtype = self.spec, self.dtype
         B, S, _ = x.shape
         eps = spec.norm_eps
@@ -285,8 +381,7 @@ class OlmoModel(nnx.Module):
         if spec.qk_norm == "per_head":
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        # GQA: dot_product_attention groups query heads over the kv heads itself.
-        attn = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=None)
+        attn = attention(q, k, v, window, doc_ids)
         h = x + rms_norm(proj(attn.reshape(B, S, spec.q_width), "o_proj"), w["post_attention_norm"], eps)
 
         if spec.moe is None:

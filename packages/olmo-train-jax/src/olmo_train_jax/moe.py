@@ -23,6 +23,16 @@ softmax of the chosen k scores; ``uniform``: token t of the micro-batch goes to 
 ``(t*k + j) mod E`` with weight 1/k. In both the router still runs, on stopped gradients,
 so its aux losses are reported; their weight in the loss is 0 (``aux_loss``).
 
+MXFP8 (``mxfp8=True`` on ``local_experts`` / ``expert_parallel``; the recipe's ``moe.mxfp8``):
+the same emulation of OCP MX FP8 as the Torch block. Both operands of each routed-expert
+matmul are rounded through e4m3 with one power-of-two (e8m0) scale per 32 contiguous
+elements along the reduction axis (``mxfp8_quantize``), then multiplied in the working
+dtype; gradients pass straight through to the unrounded tensors (the backward matmuls are
+not quantised). The fast path is block-scaled FP8 hardware (B200/B300 tcgen05 MMA, or a TPU
+generation with MX support) through XLA's scaled dot / ``jax.nn.scaled_dot_general`` with
+float8_e4m3fn operands and float8_e8m0fnu scales; this machine (CPU) has no such unit, and
+Hopper (H100/H200) has FP8 tensor cores but no MX block scaling.
+
 Where the routed experts run is a pluggable ``ExpertsFn``: ``local_experts`` here (all
 experts on this device, or under plain data parallelism the global view), or
 ``expert_parallel.expert_parallel_experts(mesh)``, which moves tokens to the devices of an
@@ -40,6 +50,11 @@ import numpy as np
 from olmo_model import MoESpec
 
 ROUTING_MODES: tuple[str, ...] = ("learned", "random", "uniform")
+MX_BLOCK = 32  # elements sharing one e8m0 scale (OCP Microscaling spec v1.0)
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
+# XLA flushes float32 subnormals on CPU, so the smallest scale is the smallest normal
+# 2^-126 rather than e8m0's 2^-127; only blocks with amax < 448 * 2^-126 notice.
+_MIN_SCALE_EXPONENT = -126
 
 
 class ExpertWeights(NamedTuple):
@@ -66,22 +81,47 @@ class MoEStats(NamedTuple):
     dropped: jax.Array  # [] int32, assignments not computed; 0 by construction (dropless)
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis as a fixed pairwise tree of elementwise adds.
+
+    Why not ``jnp.sum``: XLA:CPU's reduction emitter picks its vectorisation, and with it
+    the summation order, from the array's shape, so a sum over 8 experts rounds differently
+    for 256 tokens (one device of four) than for 1024 (measured: 1 ulp in the softmax).
+    A top-k choice turns such an ulp into a different expert at a near-tie, so routing would
+    depend on the device layout; elementwise adds round the same way on every layout."""
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+def softmax_and_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(softmax, logsumexp) over the last axis, layout-invariant (``row_sum``): the max is
+    exact in any order, and the shift does not change either value, so it carries no
+    gradient."""
+    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.exp(logits - shift)
+    total = row_sum(e)
+    return e / total[..., None], jnp.log(total) + shift[..., 0]
+
+
 def route(
     logits: jax.Array, moe: MoESpec, mode: str = "learned", key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routing of T tokens from float32 router ``logits`` [T, E] -> (experts [T, k] int32,
     weights [T, k] float32, router probabilities [T, E])."""
-    probs = jax.nn.softmax(logits, axis=-1) if moe.gating == "softmax" else jax.nn.sigmoid(logits)
+    probs = softmax_and_logsumexp(logits)[0] if moe.gating == "softmax" else jax.nn.sigmoid(logits)
     n_tokens, n_experts, k = logits.shape[0], moe.n_experts, moe.top_k
     if mode == "learned":
         weights, experts = jax.lax.top_k(probs, k)
         if moe.normalize_top_k:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            weights = weights / row_sum(weights)[..., None]
     elif mode == "random":
         if key is None:
             raise ValueError("routing='random' needs a PRNG key (routing_key) derived from (seed, step)")
         scores, experts = jax.lax.top_k(jax.random.uniform(key, (n_tokens, n_experts), jnp.float32), k)
-        weights = jax.nn.softmax(scores, axis=-1)
+        weights = softmax_and_logsumexp(scores)[0]
     elif mode == "uniform":
         experts = jnp.arange(n_tokens * k, dtype=jnp.int32).reshape(n_tokens, k) % n_experts
         weights = jnp.full((n_tokens, k), 1.0 / k, jnp.float32)
@@ -98,7 +138,7 @@ def routing_stats(logits: jax.Array, probs: jax.Array, experts: jax.Array, compu
     # Counts carry no gradient (they are integers); the mean probabilities do.
     share = counts.astype(jnp.float32) / (n_tokens * k)
     load_balancing = n_experts * jnp.sum(share * jnp.mean(probs, axis=0))
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = softmax_and_logsumexp(logits)[1]
     return MoEStats(load_balancing, jnp.mean(lse * lse), counts, jnp.int32(n_tokens * k) - computed)
 
 
@@ -110,29 +150,70 @@ def sort_by_expert(experts: jax.Array, n_experts: int) -> tuple[jax.Array, jax.A
     return order, jnp.bincount(experts, length=n_experts).astype(jnp.int32)
 
 
-def grouped_swiglu(xs: jax.Array, w: ExpertWeights, group_sizes: jax.Array) -> jax.Array:
+def mxfp8_quantize(x: jax.Array, axis: int = -1) -> jax.Array:
+    """``x`` rounded through MXFP8 and back: blocks of 32 along ``axis`` share a scale
+    2^ceil(log2(amax / 448)), values are cast to e4m3 and multiplied back by the scale.
+
+    Rounding the scale exponent up keeps every scaled value inside e4m3's range, so nothing
+    saturates: each element's error is at most 2^-4 of itself (3 mantissa bits, round to
+    nearest) or, in e4m3's subnormal range, 2^-10 of the scale. Computes in float32 and
+    returns x's dtype; a trailing partial block is padded with zeros."""
+    moved = jnp.moveaxis(x, axis, -1).astype(jnp.float32)
+    n = moved.shape[-1]
+    pad = (-n) % MX_BLOCK
+    if pad:
+        moved = jnp.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, pad)])
+    blocks = moved.reshape(*moved.shape[:-1], -1, MX_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    exponent = jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / E4M3_MAX))
+    # The e8m0 round trip is exact for these powers of two; it keeps the scale honest.
+    scale = jnp.exp2(jnp.clip(exponent, _MIN_SCALE_EXPONENT, 127)).astype(jnp.float8_e8m0fnu).astype(jnp.float32)
+    q = (blocks / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    out = q.reshape(moved.shape)[..., :n]
+    return jnp.moveaxis(out, -1, axis).astype(x.dtype)
+
+
+def _mx(x: jax.Array, axis: int) -> jax.Array:
+    # Forward value: the MXFP8-rounded tensor; gradient: identity to the original.
+    return x + jax.lax.stop_gradient(mxfp8_quantize(x, axis) - x)
+
+
+def grouped_swiglu(xs: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *, mxfp8: bool = False) -> jax.Array:
     """Rows of ``xs`` [N, d], sorted into consecutive groups of ``group_sizes`` [E] rows, each
-    through its own expert's SwiGLU -> [N, d]; rows past sum(group_sizes) come back zero."""
+    through its own expert's SwiGLU -> [N, d]; rows past sum(group_sizes) come back zero.
+    ``mxfp8``: both operands of each matmul rounded through MXFP8 along its reduction axis."""
     dtype = xs.dtype
-    gate = jax.lax.ragged_dot(xs, w.gate.astype(dtype), group_sizes)
-    up = jax.lax.ragged_dot(xs, w.up.astype(dtype), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.down.astype(dtype), group_sizes)
+    gate, up, down = (t.astype(dtype) for t in w)
+    if mxfp8:
+        # Kernels are (in, out): the reduction axis is -2 of the weights, -1 of the rows.
+        xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
+    hidden = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+    if mxfp8:
+        hidden = _mx(hidden, -1)
+    return jax.lax.ragged_dot(hidden, down, group_sizes)
 
 
 def combine(ys_flat: jax.Array, weights: jax.Array) -> jax.Array:
     """Expert outputs per flat (token, slot) [T*k, d] and weights [T, k] -> [T, d]: the
-    weighted sum over a token's k slots, accumulated in float32."""
+    weighted sum over a token's k slots, accumulated in float32 in slot order (elementwise,
+    so the same rounding on every layout; see ``row_sum``)."""
     n_tokens, k = weights.shape
     ys = ys_flat.reshape(n_tokens, k, -1).astype(jnp.float32)
-    return jnp.einsum("tkd,tk->td", ys, weights).astype(ys_flat.dtype)
+    out = ys[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        out = out + ys[:, j] * weights[:, j : j + 1]
+    return out.astype(ys_flat.dtype)
 
 
-def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights) -> tuple[jax.Array, jax.Array]:
-    """The routed part with every expert on this device (an ``ExpertsFn``)."""
+def local_experts(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *, mxfp8: bool = False
+) -> tuple[jax.Array, jax.Array]:
+    """The routed part with every expert on this device (an ``ExpertsFn`` as it stands;
+    ``functools.partial(local_experts, mxfp8=True)`` for the MXFP8 emulation)."""
     n_experts = w.gate.shape[0]
     k = experts.shape[-1]
     order, sizes = sort_by_expert(experts.reshape(-1), n_experts)
-    ys_sorted = grouped_swiglu(x[order // k], w, sizes)
+    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8)
     ys = jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
     return combine(ys, weights), jnp.sum(sizes)
 
@@ -154,7 +235,9 @@ def moe_block(
     learned = routing == "learned"
     router_in = x if learned else jax.lax.stop_gradient(x)
     router_w = router if learned else jax.lax.stop_gradient(router)
-    logits = jnp.dot(router_in.astype(jnp.float32), router_w.astype(jnp.float32))
+    # HIGHEST: float32 logits on every backend (TPU/GPU would otherwise use bf16/tf32
+    # passes under bf16 compute), since a top-k choice is sensitive to their last bits.
+    logits = jnp.dot(router_in.astype(jnp.float32), router_w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     experts, weights, probs = route(logits, moe, routing, key)
     out, computed = experts_fn(x, experts, weights, routed)
     if shared is not None:

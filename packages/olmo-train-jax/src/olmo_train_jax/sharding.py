@@ -1,18 +1,23 @@
 """Where every array of the JAX trainer lives: the device mesh and explicit NamedShardings.
 
-The mesh has three named axes (``recipe.jax.mesh``; one of them may be -1 = the devices left):
+The mesh has named axes (``recipe.jax.mesh``; one of them may be -1 = the devices left):
 
 - ``data``: plain data parallelism; parameters are replicated over it;
 - ``fsdp``: data parallelism with fully sharded parameters and optimizer state (ZeRO-3): each
   weight is split along its largest axis that the fsdp size divides; the stacked-layer axis is
   never split, because ``lax.scan`` slices it and a split there would gather per layer anyway;
+- ``expert`` (MoE specs, only in the mesh when larger than 1): expert parallelism. The routed
+  experts' weights (and their AdamW moments) are split on their expert axis in contiguous
+  blocks; the axis also carries data (MaxText / DeepSeek style), so dense parameters are
+  replicated over it like over ``data``, and ``expert_parallel`` moves each token to the
+  rank that owns its expert with an all-to-all;
 - ``tensor``: Megatron-style tensor parallelism: attention heads (q/k/v output, o input), the
   MLP hidden axis (gate/up output, down input) and the vocabulary of the output head are split
   when the tensor size divides them.
 
-A batch is split over (data, fsdp) on its batch axis, so the data-parallel size is
-data x fsdp. XLA inserts the all-gathers and reduce-scatters the placements imply; the model
-code holds no parallelism (DESIGN.md contract 6).
+A batch is split over (data, fsdp, expert) on its batch axis, so the data-parallel size is
+data x fsdp x expert. XLA inserts the all-gathers and reduce-scatters the placements imply;
+the model code holds no parallelism (DESIGN.md contract 6).
 
 Multi-host: with ``recipe.jax.distributed`` the trainer calls ``jax.distributed.initialize()``
 first (on a TPU pod slice or under SLURM/Open MPI it finds the coordinator itself; elsewhere
@@ -33,9 +38,11 @@ from jax.sharding import PartitionSpec as P
 from olmo_model import ModelSpec
 from olmo_model.recipe import Recipe, RecipeError
 
-MESH_AXES = ("data", "fsdp", "tensor")
-# The batch axis of every input is split over both data-parallel mesh axes.
-BATCH_AXES = ("data", "fsdp")
+from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec
+
+# In mesh order; the expert axis is present only when the recipe asks for more than one
+# expert rank, so dense runs keep their (data, fsdp, tensor) mesh.
+MESH_AXES = ("data", "fsdp", EXPERT_AXIS, "tensor")
 
 
 def initialize_distributed(recipe: Recipe) -> None:
@@ -45,19 +52,24 @@ def initialize_distributed(recipe: Recipe) -> None:
 
 
 def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
-    """A (data, fsdp, tensor) mesh over all devices; a -1 axis takes the devices left over."""
+    """A (data, fsdp[, expert], tensor) mesh over all devices; a -1 axis takes the devices left."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    if mesh_axes.get("expert", 1) != 1:
-        raise RecipeError(
-            f"jax.mesh.expert={mesh_axes['expert']}: the trainer's mesh has no expert axis yet (MoE runs "
-            "data parallel; olmo_train_jax.expert_parallel needs the axis here); set jax.mesh.expert=1"
-        )
     sizes = {axis: int(mesh_axes.get(axis, 1)) for axis in MESH_AXES}
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    free = [axis for axis, s in sizes.items() if s == -1]
     if any(s == 0 or s < -1 for s in sizes.values()):
         raise RecipeError(f"jax.mesh={mesh_axes}: axis sizes must be positive or -1")
+    if sizes[EXPERT_AXIS] == -1:
+        raise RecipeError(
+            f"jax.mesh={mesh_axes}: jax.mesh.expert cannot be -1; give the number of expert ranks "
+            "(a divisor of moe.n_experts) and let data or fsdp take the devices left"
+        )
+    ep = sizes[EXPERT_AXIS]
+    if n % ep:
+        raise RecipeError(
+            f"jax.mesh.expert={ep} does not divide the {n} devices; choose a divisor of {n}"
+        )
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    free = [axis for axis, s in sizes.items() if s == -1]
     if free:
         if n % fixed:
             raise RecipeError(
@@ -70,18 +82,45 @@ def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
             f"jax.mesh={mesh_axes} needs {fixed} devices but {n} are visible; "
             f"make the product {n} or set one axis to -1"
         )
-    shape = tuple(sizes[a] for a in MESH_AXES)
+    axes = tuple(a for a in MESH_AXES if a != EXPERT_AXIS or ep > 1)
+    shape = tuple(sizes[a] for a in axes)
     # Auto axes: explicit placements of inputs and outputs, XLA propagates the rest.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
+
+
+def check_mesh_for_spec(mesh: Mesh, spec: ModelSpec) -> None:
+    """Refuse an expert axis the spec cannot use (a dense spec, or one that does not divide
+    ``moe.n_experts``) with a one-line RecipeError."""
+    ep = expert_size(mesh)
+    if ep == 1:
+        return
+    if spec.moe is None:
+        raise RecipeError(
+            f"jax.mesh.expert={ep} but model '{spec.name}' is dense (no moe section); set jax.mesh.expert=1"
+        )
+    if spec.moe.n_experts % ep:
+        raise RecipeError(
+            f"jax.mesh.expert={ep} does not divide moe.n_experts={spec.moe.n_experts} of model '{spec.name}'; "
+            "choose a divisor of n_experts"
+        )
+
+
+def expert_size(mesh: Mesh) -> int:
+    return mesh.shape.get(EXPERT_AXIS, 1)
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch axis of every input is split over (all data-parallel axes)."""
+    return tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
 
 
 def dp_size(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
 
 
 def describe_mesh(mesh: Mesh) -> str:
     kind = mesh.devices.flat[0].device_kind
-    axes = " x ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES)
+    axes = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     return f"mesh {axes} over {mesh.size} {kind} device(s) in {jax.process_count()} process(es)"
 
 
@@ -115,6 +154,8 @@ def param_partition_spec(path: tuple[str, ...], shape: tuple[int, ...], spec: Mo
     name = path[-1]
     axes: list[Any] = [None] * len(shape)
     stacked = path[0] == "layers"
+    if expert_size(mesh) > 1 and (expert_axes := expert_partition_spec(path, shape)) is not None:
+        axes = list(expert_axes)
     t_axis = _tensor_axis(name, shape, spec, mesh.shape["tensor"])
     if t_axis is not None:
         axes[t_axis] = "tensor"
@@ -172,8 +213,8 @@ def state_shardings(state: Any, params_sharding: dict, mesh: Mesh) -> Any:
 # ---- batches -----------------------------------------------------------------------------
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[accumulation, batch, seq] arrays: micro-steps unsplit, batch over (data, fsdp)."""
-    return NamedSharding(mesh, P(None, BATCH_AXES, None))
+    """[accumulation, batch, seq] arrays: micro-steps unsplit, batch over (data, fsdp, expert)."""
+    return NamedSharding(mesh, P(None, batch_axes(mesh), None))
 
 
 def to_micro_batches(local: np.ndarray, local_dp: int, accumulation: int) -> np.ndarray:

@@ -11,9 +11,13 @@ What one optimizer step s (1-based) does, identically to the Torch trainer:
   attention stays inside each document only with ``train.document_masking``;
 - loss = (sum of token CE + z_loss_weight x sum of logsumexp^2) / (valid tokens in the GLOBAL
   batch), so the value and the gradient do not depend on the device count or accumulation;
-- MoE specs (H10, issue 8) add ``moe.aux_loss`` (load balancing + router z-loss) of each
-  micro-step's global micro-batch, averaged over the micro-steps; the routed experts run per
-  device under ``expert_parallel.apply_expert_parallel``; the train line gains the moe_* keys;
+- MoE specs add ``moe.aux_loss`` (load balancing + router z-loss) of each micro-step's
+  global micro-batch, averaged over the micro-steps (zero weight unless ``moe.routing`` is
+  learned); routing (``moe.routing``) runs in the global view, so uniform numbers the tokens
+  of the global micro-batch and random draws its scores from (seed, step, micro-step,
+  layer) whatever the layout; the routed experts run per device under
+  ``expert_parallel.apply_expert_parallel`` (an all-to-all over ``jax.mesh.expert`` when it
+  is > 1; MXFP8-emulated with ``moe.mxfp8``); the train line gains the moe_* keys;
 - grad norm: global L2 over all gradients in float32, clipped by torch's clip_grad_norm_
   formula scale = min(1, clip / (norm + 1e-6)); the logged norm is the one before clipping;
 - AdamW (optax's scale_by_adam + add_decayed_weights, decoupled; no decay on the input
@@ -126,7 +130,10 @@ def make_optimizer(params: dict, recipe: Recipe) -> optax.GradientTransformation
 
 @dataclass
 class StepFunctions:
-    """Jitted pieces of a step; ``fused`` = ``apply(grads(...))`` in one program."""
+    """Jitted pieces of a step; ``fused`` = ``apply(grads(...))`` in one program.
+
+    ``grads(params, batch, step=0)`` and ``fused(params, opt_state, batch, lr, step=0)``
+    take the 1-based step, which seeds random MoE routing (unused otherwise)."""
 
     grads: Any
     apply: Any
@@ -149,27 +156,34 @@ def make_step_functions(
     masking = recipe.train.document_masking
     replicated = NamedSharding(mesh, P())
     batch_sh = sharding.batch_sharding(mesh)
+    routing = recipe.moe.routing if spec.moe is not None else "learned"
+    seed_key = jax.random.key(recipe.train.seed)
 
-    def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation):
-        logits, moe_stats = nnx.merge(graphdef, params).forward_with_aux(input_ids, doc_ids if masking else None)
+    def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation, routing_key):
+        logits, moe_stats = nnx.merge(graphdef, params).forward_with_aux(
+            input_ids, doc_ids if masking else None, routing=routing, routing_key=routing_key
+        )
         ce, z, _ = token_loss_sums(logits, labels)
         loss = (ce + z_weight * z) / n_tokens
         if moe_stats is not None:
-            # H10 (issue 8): each micro-step's aux losses cover its global micro-batch; the
-            # step's aux term is their mean over micro-steps (as the Torch trainer does).
-            loss = loss + aux_loss(moe_stats, spec.moe) / accumulation
+            # Each micro-step's aux losses cover its global micro-batch; the step's aux term
+            # is their mean over micro-steps (as the Torch trainer does).
+            loss = loss + aux_loss(moe_stats, spec.moe, routing) / accumulation
         return loss, (ce, z, moe_stats)
 
-    def grads_and_stats(params, batch):
+    def grads_and_stats(params, batch, step):
         # Normalise by the valid tokens of the whole global batch (all micro-steps, all devices).
         n_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32), 1.0)
         accumulation = batch["labels"].shape[0]
         grad_fn = jax.grad(micro_loss, has_aux=True)
+        step_key = jax.random.fold_in(seed_key, step)
 
         def micro_step(carry, micro):
             acc, ce_sum, z_sum, moe_sum = carry
+            # Random routing's scores: (seed, step, micro-step) here, the layer in the model.
+            routing_key = jax.random.fold_in(step_key, micro["index"]) if routing == "random" else None
             g, (ce, z, moe_stats) = grad_fn(
-                params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens, accumulation
+                params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens, accumulation, routing_key
             )
             if moe_stats is not None:
                 moe_sum = jax.tree.map(jnp.add, moe_sum, moe_stats)
@@ -181,7 +195,9 @@ def make_step_functions(
             counts = jnp.zeros(spec.moe.n_experts, jnp.int32)
             moe_zero = MoEStats(jnp.float32(0), jnp.float32(0), counts, jnp.int32(0))
         (grads, ce, z, moe_sum), _ = jax.lax.scan(
-            micro_step, (zero, jnp.float32(0), jnp.float32(0), moe_zero), batch
+            micro_step,
+            (zero, jnp.float32(0), jnp.float32(0), moe_zero),
+            {**batch, "index": jnp.arange(accumulation, dtype=jnp.int32)},
         )
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)
         stats = {
@@ -195,7 +211,7 @@ def make_step_functions(
             moe_step = moe_sum._replace(
                 load_balancing=moe_sum.load_balancing / accumulation, router_z=moe_sum.router_z / accumulation
             )
-            stats["loss"] = stats["loss"] + aux_loss(moe_step, spec.moe)
+            stats["loss"] = stats["loss"] + aux_loss(moe_step, spec.moe, routing)
             stats["moe"] = moe_step
         return grads, stats
 
@@ -207,8 +223,8 @@ def make_step_functions(
         params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
         return params, opt_state
 
-    def fused(params, opt_state, batch, lr):
-        grads, stats = grads_and_stats(params, batch)
+    def fused(params, opt_state, batch, lr, step):
+        grads, stats = grads_and_stats(params, batch, step)
         params, opt_state = apply_update(params, opt_state, grads, stats["grad_norm"], lr)
         return params, opt_state, stats
 
@@ -221,22 +237,26 @@ def make_step_functions(
     stats_out = {k: replicated for k in ("loss", "ce_loss", "z_loss", "grad_norm")}
     if spec.moe is not None:
         stats_out["moe"] = MoEStats(replicated, replicated, replicated, replicated)
+    grads_jit = jax.jit(
+        grads_and_stats,
+        in_shardings=(params_sharding, batch_in, replicated),
+        out_shardings=(params_sharding, stats_out),
+    )
+    fused_jit = jax.jit(
+        fused,
+        in_shardings=(params_sharding, opt_sharding, batch_in, replicated, replicated),
+        out_shardings=(params_sharding, opt_sharding, stats_out),
+        donate_argnums=(0, 1),
+    )
     return StepFunctions(
-        grads=jax.jit(
-            grads_and_stats, in_shardings=(params_sharding, batch_in), out_shardings=(params_sharding, stats_out)
-        ),
+        grads=lambda params, batch, step=0: grads_jit(params, batch, np.int32(step)),
         apply=jax.jit(
             apply_update,
             in_shardings=(params_sharding, opt_sharding, params_sharding, replicated, replicated),
             out_shardings=(params_sharding, opt_sharding),
             donate_argnums=(0, 1),
         ),
-        fused=jax.jit(
-            fused,
-            in_shardings=(params_sharding, opt_sharding, batch_in, replicated),
-            out_shardings=(params_sharding, opt_sharding, stats_out),
-            donate_argnums=(0, 1),
-        ),
+        fused=lambda params, opt_state, batch, lr, step=0: fused_jit(params, opt_state, batch, lr, np.int32(step)),
         evaluate=jax.jit(evaluate, out_shardings=(replicated, replicated)),
     )
 
@@ -298,6 +318,7 @@ def plan_run(recipe: Recipe) -> Plan:
     seq = mixture.sequence_length
     global_batch = recipe.global_batch_sequences(seq)
     mesh = sharding.make_mesh(recipe.jax.mesh)
+    sharding.check_mesh_for_spec(mesh, spec)
     layout = batch_layout(global_batch, sharding.dp_size(mesh), recipe.train.micro_batch_size)
     total = recipe.total_steps()
     loader = MixtureLoader(
@@ -328,7 +349,7 @@ def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> di
     """Every process holds the whole evaluation batch; split it over data-parallel devices when
     its rows divide, else replicate it (a short last batch)."""
     rows = batch["input_ids"].shape[0]
-    spec = P(sharding.BATCH_AXES, None) if rows % sharding.dp_size(mesh) == 0 else P()
+    spec = P(sharding.batch_axes(mesh), None) if rows % sharding.dp_size(mesh) == 0 else P()
     sh = NamedSharding(mesh, spec)
     return {
         k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS
@@ -372,8 +393,8 @@ def train(recipe: Recipe) -> Path:
     make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat)
     abstract_model = nnx.eval_shape(make_model)
     if spec.moe is not None:
-        # H10 (issue 8): routed experts per device under shard_map (all-to-all over an expert axis).
-        apply_expert_parallel(abstract_model, mesh)
+        # Routed experts per device under shard_map (all-to-all over the expert axis).
+        apply_expert_parallel(abstract_model, mesh, mxfp8=recipe.moe.mxfp8)
     graphdef, abstract_state = nnx.split(abstract_model)
     abstract_params = nnx.to_pure_dict(abstract_state)
     params_sh = sharding.param_shardings(abstract_params, spec, mesh)
@@ -441,7 +462,7 @@ def train(recipe: Recipe) -> Path:
             lr = recipe.schedule.lr(step, recipe.optim.lr, total)
             lr_arg = np.float32(lr)
             if guard.enabled:
-                grads, stats = fns.grads(params, batch)
+                grads, stats = fns.grads(params, batch, step)
                 loss, grad_norm = float(stats["loss"]), float(stats["grad_norm"])
                 skipped = guard.should_skip(loss, grad_norm)
                 if skipped:
@@ -450,7 +471,7 @@ def train(recipe: Recipe) -> Path:
                     guard.record(loss, grad_norm)
                     params, opt_state = fns.apply(params, opt_state, grads, stats["grad_norm"], lr_arg)
             else:
-                params, opt_state, stats = fns.fused(params, opt_state, batch, lr_arg)
+                params, opt_state, stats = fns.fused(params, opt_state, batch, lr_arg, step)
                 skipped = False
             moe_step = stats.pop("moe", None)
             values = {k: float(v) for k, v in stats.items()}
@@ -475,8 +496,8 @@ def train(recipe: Recipe) -> Path:
                     "step_time": step_time,
                     "time": time.time() - started,
                 }
-                if moe_step is not None:  # H10 (issue 8): the contract's moe_* keys
-                    record.update(moe_metrics(moe_step, ep_size=mesh.shape.get("expert", 1)))
+                if moe_step is not None:  # the MoE contract's moe_* keys
+                    record.update(moe_metrics(moe_step, ep_size=sharding.expert_size(mesh)))
                 metrics.write(record)
                 console.line(
                     f"step {step}/{total} loss {values['loss']:.4f} lr {lr:.3e} grad_norm {values['grad_norm']:.3f}"

@@ -21,6 +21,14 @@ Both all-to-alls are autograd functions whose backward is the opposite all-to-al
 expert gradients collect the contributions of every rank's tokens. gloo (CPU) supports
 ``all_to_all_single`` with uneven splits in torch 2.15 (checked), NCCL does on GPU.
 
+Where the expert shards live: ``apply_expert_parallel`` takes a process group (the
+shards stay plain tensors: enough for a training loop that never checkpoints) or a
+DeviceMesh whose last axis is named ``ep`` (``expert_mesh``: ``(edp, ep)``, ``edp``
+replicas of each expert slice); then the expert weights become DTensors ``Shard(0)`` on
+``ep`` and ``Replicate()`` on ``edp``, so ``get_state_dict`` / DCP save every shard once
+under the full [E, ...] shape and load them onto any other expert-parallel size (or onto
+an unsharded model), and the AdamW moments follow the same layout.
+
 Two gradient conventions:
 
 - summed (``reduce_gradients``, no wrapper): each rank's loss is its share of the global
@@ -40,7 +48,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .moe import GroupedExperts, moe_modules
 
@@ -108,13 +117,26 @@ class ExpertParallelDispatcher:
         return all_to_all_rows(ys, send_splits, recv_splits, self.group)
 
 
+def expert_mesh(device_type: str, world_size: int, ep: int) -> DeviceMesh:
+    """The ``(edp, ep)`` mesh of ``world_size`` ranks: expert-parallel groups of ``ep``
+    consecutive ranks (one node's fast links first), ``world_size / ep`` replicas of them."""
+    if ep < 1 or world_size % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the {world_size} ranks; choose a divisor")
+    return init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
 def apply_expert_parallel(model: nn.Module, group) -> None:
     """Keep this rank's contiguous slice of every MoE layer's experts and route tokens
-    through ``group``: the expert-parallel process group, or a 1-D DeviceMesh (e.g.
-    ``mesh["ep"]`` of a ``(edp, ep)`` mesh). Call it after the weights are initialised or
-    loaded (every rank must hold the same full weights at that point)."""
-    if isinstance(group, DeviceMesh):
-        group = group.get_group()
+    through the expert-parallel group: ``group`` is a process group (plain local shards),
+    or a DeviceMesh whose last axis is ``ep`` (1-D, or ``expert_mesh``'s ``(edp, ep)``;
+    the shards become DTensors, see the module doc). Call it after the weights are
+    initialised or loaded (every rank must hold the same full weights at that point)."""
+    mesh = group if isinstance(group, DeviceMesh) else None
+    if mesh is not None:
+        if mesh.mesh_dim_names is None or mesh.mesh_dim_names[-1] != "ep":
+            raise ValueError(f"expert parallel: the mesh's last axis must be named 'ep', got {mesh.mesh_dim_names}")
+        group = mesh.get_group("ep")
+        placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
     rank = dist.get_rank(group)
     for moe in moe_modules(model):
         dispatcher = ExpertParallelDispatcher(group, moe.spec.n_experts)
@@ -123,7 +145,10 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
         experts = moe.experts
         for name in ("gate_proj", "up_proj", "down_proj"):
             full = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad))
+            shard = full.detach()[lo:hi].clone()
+            if mesh is not None:
+                shard = DTensor.from_local(shard, mesh, placements, run_check=False)
+            setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
         moe.dispatcher = dispatcher
 
 
@@ -140,7 +165,8 @@ def prepare_expert_parallel(
     def to_sum(grad: torch.Tensor) -> torch.Tensor:
         grad = grad / dp_size
         if expert_dp_group is not None:
-            dist.all_reduce(grad, group=expert_dp_group)
+            # In place on the local shard (a DTensor gradient knows nothing of the replicas).
+            dist.all_reduce(_local(grad), group=expert_dp_group)
         return grad
 
     for p in params:
@@ -170,9 +196,13 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in experts]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def sum_gradients(params: list[nn.Parameter], group) -> None:
     """All-reduce (sum) the gradients of ``params`` over ``group`` as one flat buffer."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

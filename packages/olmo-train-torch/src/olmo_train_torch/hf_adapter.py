@@ -4,9 +4,10 @@ HF names and shapes come from ``olmo_model.hf_param_shapes(spec)``. MoE layers k
 their routed experts stacked (``blocks.N.mlp.experts.gate_proj`` [E, hidden, d], the
 grouped-GEMM layout), so HF's per-expert ``mlp.experts.{e}.gate_proj.weight`` is slice
 ``e`` of it; router and shared experts map 1:1. Every tensor is
-checked (present, expected, right shape, right vocab) before anything is copied, so a
-bad checkpoint leaves the model untouched and raises one ``CheckpointMismatchError``
-line naming the tensor, what was expected, what was found and the fix.
+checked (``olmo_model.validate_hf_tensors``: present, expected, right shape, right vocab)
+before anything is copied, so a bad checkpoint leaves the model untouched and raises one
+``CheckpointMismatchError`` line naming the tensor, what was expected, what was found and
+the fix.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-from olmo_model import ModelSpec, hf_param_shapes
+from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
 
 from .model import OlmoModel
 
@@ -40,11 +41,8 @@ _TOP_NAMES = {
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-_VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-class CheckpointMismatchError(ValueError):
-    """A checkpoint that does not fit the spec; the message names the tensor and the fix."""
+# This package's name for olmo_model's error: one type, whichever side finds the mismatch.
+CheckpointMismatchError = HFLayoutError
 
 
 def _local_name(hf_name: str) -> tuple[str, int | None]:
@@ -88,39 +86,6 @@ def to_hf(
     return out
 
 
-def _check(
-    spec: ModelSpec, tensors: Mapping[str, np.ndarray | torch.Tensor], strict: bool, source: str
-) -> None:
-    expected = hf_param_shapes(spec)
-    for name, shape in expected.items():
-        if name not in tensors:
-            if strict:
-                raise CheckpointMismatchError(
-                    f"{source}: missing tensor '{name}' (expected shape {shape}) for spec '{spec.name}'; "
-                    "build the spec from the checkpoint's config.json, or pass strict=False"
-                )
-            continue
-        got = tuple(tensors[name].shape)
-        if got == shape:
-            continue
-        if name in _VOCAB_TENSORS and got[1:] == shape[1:]:
-            raise CheckpointMismatchError(
-                f"{source}: vocab mismatch in '{name}': checkpoint has {got[0]} rows, spec padded_vocab_size "
-                f"is {spec.padded_vocab_size}; set padded_vocab_size (and vocab_size) to match the checkpoint"
-            )
-        raise CheckpointMismatchError(
-            f"{source}: tensor '{name}' has shape {got}, expected {shape} for spec '{spec.name}'; "
-            "the checkpoint was written for another model size: use its config.json spec"
-        )
-    if strict:
-        unexpected = [name for name in tensors if name not in expected]
-        if unexpected:
-            raise CheckpointMismatchError(
-                f"{source}: unexpected tensor '{unexpected[0]}' ({len(unexpected)} in all) not in spec "
-                f"'{spec.name}'; the model lacks it: check n_layers/qk_norm/moe, or pass strict=False"
-            )
-
-
 @torch.no_grad()
 def load_hf(
     model: OlmoModel,
@@ -131,10 +96,12 @@ def load_hf(
 ) -> None:
     """Copy HF-named tensors into ``model`` (cast to each parameter's dtype and device).
 
-    All names and shapes are validated first; errors start with ``source`` (the file the
-    tensors came from). ``strict=False`` skips missing tensors and ignores unexpected
-    ones; a wrong shape is always an error."""
-    _check(model.spec, tensors, strict, source)
+    All names, shapes and dtypes are validated first; errors start with ``source`` (the file
+    the tensors came from). ``strict=False`` skips missing tensors and ignores unexpected
+    ones; a wrong shape or a non-floating dtype is always an error."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    validate_hf_tensors(model.spec, shapes, source, strict=strict, dtypes=dtypes)
     params = model.state_dict()
     for hf_name, (local, expert) in hf_to_local_names(model.spec).items():
         if hf_name in tensors:

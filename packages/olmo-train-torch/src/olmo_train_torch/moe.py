@@ -1,4 +1,4 @@
-"""The mixture-of-experts feed-forward block of the torch model (issue 8).
+"""The mixture-of-experts feed-forward block of the torch model.
 
 Maths (the contract shared with the JAX trainer and ``olmo_model.reference``):
 
@@ -18,11 +18,16 @@ in expert parallelism (all-to-all split sizes, ``expert_parallel``) and where me
 read (``moe_step_metrics``, once per logged step).
 
 Routing modes (a runtime knob, never in the spec; ``configure_moe``):
-``learned`` (above); ``random``: the scores are i.i.d. uniform numbers from a torch
-generator seeded by (seed, step, layer, rank), weights are the softmax of the chosen k
-scores, no gradient reaches the router; ``uniform``: token t of this rank's micro-batch
-goes to experts ``(t*k + j) mod E`` with weight 1/k (perfect balance). The router still
-runs (detached) in these modes so that its aux losses are reported.
+``learned`` (above); ``random``: the scores are i.i.d. uniform numbers, weights are the
+softmax of the chosen k scores, no gradient reaches the router (``configure_moe`` freezes
+it); ``uniform``: token t goes to experts ``(t*k + j) mod E`` with weight 1/k (perfect
+balance). The router still runs (detached) in these modes so that its aux losses are
+reported. Both modes are independent of the data/expert-parallel layout, as in the JAX
+trainer: tokens are numbered by their index in the GLOBAL micro-batch (the data-parallel
+ranks' micro-batches concatenated in rank order; this rank's first token is number
+``dp_rank * T``), and random scores are drawn for the whole global micro-batch from a
+generator seeded by (seed, step, micro-step, layer) only, each rank keeping its own rows
+(every rank draws ``dp_size * T * E`` numbers: cheap next to the expert GEMMs).
 
 Grouped GEMM backends (``gemm``):
 
@@ -60,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from olmo_model import MoESpec
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 RoutingMode = Literal["learned", "random", "uniform"]
 GemmBackend = Literal["auto", "grouped_mm", "loop"]
@@ -135,6 +141,8 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, n_experts: int, d_model: int, hidden: int):
         super().__init__()
+        # Under expert parallelism on a DeviceMesh these become DTensors sharded on dim 0
+        # (so that checkpoints hold every shard); the GEMMs read the local shard.
         self.gate_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.up_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
@@ -143,11 +151,12 @@ class GroupedExperts(nn.Module):
 
     @property
     def n_experts(self) -> int:
-        return self.gate_proj.shape[0]
+        """Experts held here (this rank's shard under expert parallelism)."""
+        return _local(self.gate_proj).shape[0]
 
     def forward(self, xs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """``xs`` [N, d] sorted by expert, ``group_sizes`` [n] -> SwiGLU outputs [N, d]."""
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        gate, up, down = (_local(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
         device = xs.device.type
         if torch.is_autocast_enabled(device):
             # torch._grouped_mm is not on autocast's list: cast as F.linear would be cast.
@@ -169,6 +178,11 @@ class GroupedExperts(nn.Module):
         if self.mxfp8:
             h = _straight_through(h, mxfp8_quantize(h, -1))
         return grouped_matmul(h, down.transpose(1, 2), group_sizes, self.gemm)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (differentiable), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class SwiGLU(nn.Module):
@@ -229,9 +243,14 @@ def route(
     moe: MoESpec,
     mode: RoutingMode = "learned",
     generator: torch.Generator | None = None,
+    *,
+    first_token: int = 0,
+    global_tokens: int | None = None,
 ) -> tuple[Routing, torch.Tensor]:
     """Routing of T tokens from float32 router ``logits`` [T, E] -> (Routing, router
-    probabilities [T, E]). Random mode draws its scores from ``generator``."""
+    probabilities [T, E]). The T tokens are numbers ``first_token .. first_token+T-1`` of a
+    global micro-batch of ``global_tokens`` (default T): uniform mode numbers them so, and
+    random mode draws scores for all ``global_tokens`` from ``generator`` and keeps their rows."""
     probs = torch.softmax(logits, dim=-1) if moe.gating == "softmax" else torch.sigmoid(logits)
     t, e, k = logits.shape[0], moe.n_experts, moe.top_k
     if mode == "learned":
@@ -240,11 +259,12 @@ def route(
         if moe.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
     elif mode == "random":
-        scores = torch.rand(t, e, generator=generator, device=logits.device)
+        n = t if global_tokens is None else global_tokens
+        scores = torch.rand(n, e, generator=generator, device=logits.device)[first_token : first_token + t]
         experts = top_k_lowest_index_on_ties(scores, k)
         weights = torch.softmax(scores.gather(1, experts), dim=-1)
     elif mode == "uniform":
-        slots = torch.arange(t * k, device=logits.device).reshape(t, k)
+        slots = torch.arange(first_token * k, (first_token + t) * k, device=logits.device).reshape(t, k)
         experts = slots % e
         weights = torch.full((t, k), 1.0 / k, device=logits.device)
     else:
@@ -278,17 +298,23 @@ class MoE(nn.Module):
         self.shared_experts = nn.ModuleList(SwiGLU(d_model, moe.shared_hidden) for _ in range(moe.n_shared_experts))
         self.routing: RoutingMode = "learned"
         self.routing_seed = 0
-        self.routing_step = 0  # advanced by the trainer; part of the random-routing seed
-        self.routing_rank = 0
+        # Advanced by the trainer (set_routing_step); part of the random-routing seed.
+        self.routing_step = 0
+        self.routing_micro_step = 0
+        # This rank's place among the data-parallel ranks: where its tokens sit in the
+        # global micro-batch (all ranks hold micro-batches of the same size).
+        self.dp_rank = 0
+        self.dp_size = 1
         self.dispatcher = None
 
     def _generator(self, device: torch.device) -> torch.Generator:
-        # One stream per (seed, step, layer, rank): reproducible and independent of the
-        # order in which layers run (activation checkpointing replays them).
+        # One stream per (seed, step, micro-step, layer), the same on every rank:
+        # reproducible, independent of the rank layout and of the order in which layers run
+        # (activation checkpointing replays them).
         # A polynomial in a large prime (not Python's hash(), which may change between
         # versions): distinct tuples give distinct seeds for any realistic step count.
         seed = 0
-        for part in (self.routing_seed, self.routing_step, self.layer, self.routing_rank):
+        for part in (self.routing_seed, self.routing_step, self.routing_micro_step, self.layer):
             seed = (seed * 1_000_003 + part) % (2**63)
         return torch.Generator(device=device).manual_seed(seed)
 
@@ -303,7 +329,10 @@ class MoE(nn.Module):
         if not learned:
             logits = logits.detach()
         generator = self._generator(x.device) if self.routing == "random" else None
-        routing, probs = route(logits, self.spec, self.routing, generator)
+        n = tokens.shape[0]
+        routing, probs = route(
+            logits, self.spec, self.routing, generator, first_token=self.dp_rank * n, global_tokens=self.dp_size * n
+        )
         order, sizes = sort_by_expert(routing.experts, self.spec.n_experts)
         # Gather through a permutation of the k copies of each token (not tokens[order // k]):
         # the backward then scatters to distinct rows and sums the k copies, no atomics.
@@ -413,7 +442,7 @@ def rank_load_max_over_mean(tokens_per_expert: torch.Tensor, ep_size: int) -> fl
 
 
 def moe_step_metrics(aux: MoEAux, ep_size: int) -> dict[str, float | int | list[int]]:
-    """The MoE keys of a train line (issue 8): tokens per expert summed over MoE layers,
+    """The MoE keys of a train line: tokens per expert summed over MoE layers,
     per expert-parallel rank load max/mean, dropped assignments (measured: rows sent to
     the experts minus rows returned; 0 for this dropless block), the unweighted aux losses."""
     return {
@@ -434,21 +463,30 @@ def configure_moe(
     *,
     routing: RoutingMode = "learned",
     seed: int = 0,
-    rank: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
     gemm: GemmBackend = "auto",
     mxfp8: bool = False,
 ) -> None:
-    """Set the runtime knobs (not part of the spec) on every MoE block of ``model``."""
+    """Set the runtime knobs (not part of the spec) on every MoE block of ``model``: the
+    routing mode and its seed, this rank's place among ``dp_size`` data-parallel ranks, the
+    GEMM backend and MXFP8. Call it before wrapping the model (DDP/FSDP2): random and
+    uniform routing freeze the router (``requires_grad=False``; it gets no gradient), which
+    DDP must know when it is built."""
     if routing not in ROUTING_MODES:
         raise ValueError(f"routing='{routing}' is unknown; use one of {', '.join(ROUTING_MODES)}")
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm='{gemm}' is unknown; use one of {', '.join(GEMM_BACKENDS)}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} is outside the {dp_size} data-parallel ranks; pass 0 <= dp_rank < dp_size")
     for m in moe_modules(model):
-        m.routing, m.routing_seed, m.routing_rank = routing, seed, rank
+        m.routing, m.routing_seed, m.dp_rank, m.dp_size = routing, seed, dp_rank, dp_size
+        m.gate.weight.requires_grad_(routing == "learned")
         m.experts.gemm, m.experts.mxfp8 = gemm, mxfp8
 
 
-def set_routing_step(model: nn.Module, step: int) -> None:
-    """The optimizer step whose batch comes next (random routing's seed includes it)."""
+def set_routing_step(model: nn.Module, step: int, micro_step: int = 0) -> None:
+    """The optimizer step and accumulation micro-step whose micro-batch comes next (random
+    routing's seed includes both)."""
     for m in moe_modules(model):
-        m.routing_step = step
+        m.routing_step, m.routing_micro_step = step, micro_step

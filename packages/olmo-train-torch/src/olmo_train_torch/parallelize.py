@@ -10,11 +10,18 @@ The model (``model.py``) knows nothing of parallelism; this module wraps an unch
 - ``ddp``: ``DistributedDataParallel`` (every rank holds the full model);
 - ``none``: no wrapper (one process only).
 
-Every mode is pure data parallelism: each rank is one data-parallel rank of the loader,
-so the data-parallel size is always the world size. With precision bf16, FSDP/HSDP use
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 master weights;
-DDP and ``none`` use ``torch.autocast`` instead (see ``autocast_context``).
-Activation checkpointing (``checkpoint_wrapper``, non-reentrant) and ``torch.compile``
+Every mode is data parallelism: each rank is one data-parallel rank of the loader,
+so the data-parallel size is always the world size. MoE specs may add expert parallelism
+(``torch.expert_parallel = EP > 1``): an ``(edp, ep)`` mesh of the same ranks
+(``expert_parallel.expert_mesh``), each rank keeping E/EP experts of every MoE layer
+(DTensor shards, never FSDP-sharded, left out of the wrapper) with tokens moved to them
+by all-to-all; the dense parts (attention, router, shared experts, embeddings) stay under
+the mode's wrapper over all ranks. The wrapper averages dense gradients over the ranks;
+a hook gives the expert gradients the same convention (``prepare_expert_parallel``).
+
+With precision bf16, FSDP/HSDP use ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)`` over fp32 master weights; DDP and ``none`` use ``torch.autocast``
+instead (see ``autocast_context``). Activation checkpointing (``checkpoint_wrapper``, non-reentrant) and ``torch.compile``
 apply per block, before sharding, as torchtitan orders them.
 
 A single process started without torchrun gets no process group at all: the model is
@@ -35,12 +42,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from olmo_model import ModelSpec
 from olmo_model.recipe import RecipeError, TorchSection
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from .expert_parallel import expert_mesh, ignore_in_ddp, prepare_expert_parallel
 
 
 @dataclass(frozen=True)
@@ -108,8 +118,9 @@ def init_distributed(backend: str) -> Distributed:
     return Distributed(rank=rank, world_size=world, local_rank=local, device=device, initialized=True)
 
 
-def check_parallel(section: TorchSection, world_size: int) -> None:
-    """Refuse a parallel mode the world size cannot run (before anything starts)."""
+def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | None = None) -> None:
+    """Refuse a parallel mode the world size (or, for expert parallelism, the spec) cannot
+    run, before anything starts."""
     if section.parallel == "none" and world_size > 1:
         raise RecipeError(
             f"torch.parallel=none runs one process, but {world_size} were launched; "
@@ -119,6 +130,24 @@ def check_parallel(section: TorchSection, world_size: int) -> None:
         raise RecipeError(
             f"torch.replicate={section.replicate} does not divide the {world_size} ranks; "
             f"choose a divisor of {world_size}"
+        )
+    ep = section.expert_parallel
+    if ep == 1:
+        return
+    if spec is not None and spec.moe is None:
+        raise RecipeError(
+            f"torch.expert_parallel={ep} needs a mixture-of-experts model, but the spec has no moe section; "
+            "set torch.expert_parallel=1 or choose an MoE model (e.g. --model=tiny-moe)"
+        )
+    if world_size % ep:
+        raise RecipeError(
+            f"torch.expert_parallel={ep} does not divide the {world_size} ranks; "
+            f"choose a divisor of {world_size} (or launch a multiple of {ep} processes)"
+        )
+    if spec is not None and spec.moe.n_experts % ep:
+        raise RecipeError(
+            f"torch.expert_parallel={ep} does not divide moe.n_experts={spec.moe.n_experts}; "
+            f"choose a common divisor of {spec.moe.n_experts} and {world_size}"
         )
 
 
@@ -134,12 +163,31 @@ def build_mesh(d: Distributed, section: TorchSection) -> DeviceMesh | None:
     return init_device_mesh(d.device.type, (d.world_size,), mesh_dim_names=("dp",))
 
 
+def build_expert_mesh(d: Distributed, section: TorchSection) -> DeviceMesh | None:
+    """The ``(edp, ep)`` mesh for ``torch.expert_parallel > 1``; None otherwise."""
+    if section.expert_parallel == 1 or not d.initialized:
+        return None
+    return expert_mesh(d.device.type, d.world_size, section.expert_parallel)
+
+
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh | None, section: TorchSection, precision: str, device: torch.device
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    section: TorchSection,
+    precision: str,
+    device: torch.device,
+    experts: DeviceMesh | None = None,
 ) -> nn.Module:
-    """Apply activation checkpointing, compile and data parallelism to an unchanged model.
+    """Apply expert parallelism (over the ``experts`` mesh, if any), activation
+    checkpointing, compile and data parallelism to an unchanged model.
 
     Returns the module to call (the same object except for DDP, which wraps it)."""
+    expert_params: set[nn.Parameter] = set()
+    if experts is not None:
+        edp = experts["edp"]
+        expert_params = prepare_expert_parallel(
+            model, experts, dp_size=experts.size(), expert_dp_group=edp.get_group() if edp.size() > 1 else None
+        )
     blocks = model.blocks
     for i, block in enumerate(blocks):
         if section.activation_checkpointing:
@@ -151,6 +199,8 @@ def parallelize(
     if mesh is None:
         return model
     if section.parallel == "ddp":
+        if expert_params:
+            ignore_in_ddp(model, expert_params)
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -158,8 +208,8 @@ def parallelize(
         else MixedPrecisionPolicy()
     )
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=expert_params or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=expert_params or None)
     return model
 
 

@@ -20,7 +20,14 @@ One optimizer step ``s`` (1-based) over a global batch of sequences:
   LR ``recipe.schedule.lr(s, optim.lr, total)`` set on the host every step; no decay on the
   input embedding unless ``optim.decay_embeddings``; norms decayed iff ``optim.decay_norms``;
 - spike guard: a skipped step leaves parameters, moments and Adam's step count unchanged
-  (``optimizer.step`` is not called) and still consumes its batch.
+  (``optimizer.step`` is not called) and still consumes its batch;
+- MoE specs: each micro-step adds the aux losses of its global micro-batch (weighted by the
+  spec, zero unless ``moe.routing`` is learned), scaled by the rank count like the CE and
+  averaged over micro-steps; ``moe.routing`` and ``moe.mxfp8`` set the block's runtime knobs
+  (``moe.configure_moe``), random routing is seeded by (train.seed, step, micro-step,
+  layer); ``torch.expert_parallel`` splits the routed experts over that many ranks
+  (``parallelize``); the train line carries the ``moe_*`` metrics, the per-rank load for
+  that expert-parallel size.
 
 Before anything is written (so bad input leaves the run dir untouched): recipe, spec,
 mixture (+ ``train.sequence_length``), leakage check, batch layout, and the latest complete
@@ -56,15 +63,17 @@ from olmo_model.runlog import (
     training_meta,
 )
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import load_hf
 from .model import RMSNorm, build_model
-from .moe import merge_micro_steps, moe_aux_losses, moe_step_metrics
+from .moe import GroupedExperts, configure_moe, merge_micro_steps, moe_aux_losses, moe_step_metrics, set_routing_step
 from .parallelize import (
     Distributed,
     autocast_context,
+    build_expert_mesh,
     build_mesh,
     check_parallel,
     gradient_sync,
@@ -96,22 +105,30 @@ def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 
 def weight_decays(recipe: Recipe) -> dict[str, float]:
-    """Weight decay per parameter group: every matrix decays; the input embedding only with
-    optim.decay_embeddings (Olmo 3: not); norm weights only with optim.decay_norms."""
+    """Weight decay per parameter group: every matrix decays (routed experts included); the
+    input embedding only with optim.decay_embeddings (Olmo 3: not); norm weights only with
+    optim.decay_norms."""
     o = recipe.optim
     return {
         "matrices": o.weight_decay,
+        "experts": o.weight_decay,
         "embedding": o.weight_decay if o.decay_embeddings else 0.0,
         "norms": o.weight_decay if o.decay_norms else 0.0,
     }
 
 
 def param_groups(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
-    """AdamW groups named matrices / embedding / norms (the name travels in checkpoints)."""
-    members: dict[str, list[nn.Parameter]] = {"matrices": [], "embedding": [], "norms": []}
+    """AdamW groups named matrices / experts / embedding / norms (the name travels in
+    checkpoints). The routed experts of MoE specs have a group of their own, whatever the
+    parallel layout (so checkpoints move between layouts): under expert parallelism they
+    are DTensors while DDP's dense parameters are plain tensors, and one foreach kernel
+    cannot take both."""
+    members: dict[str, list[nn.Parameter]] = {"matrices": [], "experts": [], "embedding": [], "norms": []}
     for module in unwrap(model).modules():
         own = list(module.parameters(recurse=False))
-        if isinstance(module, nn.Embedding):
+        if isinstance(module, GroupedExperts):
+            members["experts"] += own
+        elif isinstance(module, nn.Embedding):
             members["embedding"] += own
         elif isinstance(module, RMSNorm):
             members["norms"] += own
@@ -137,13 +154,36 @@ def apply_recipe_hyperparams(optimizer: torch.optim.Optimizer, recipe: Recipe) -
         group["weight_decay"] = decays[group["name"]]
 
 
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by DTensor mesh (plain tensors together): a foreach kernel takes
+    one kind only, and expert parallelism puts the experts on a mesh of their own."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def grad_global_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm over all gradients (float32); a sharded DTensor norm is reduced over ranks."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return norm.float()
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    norms = []
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms.append(norm.float())
+    if len(norms) == 1:
+        return norms[0]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_`` on each mesh's gradients with the global norm."""
+    with_grad = [p for p in params if p.grad is not None]
+    for group in _by_mesh(with_grad):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
 
 
 @dataclass
@@ -153,7 +193,7 @@ class StepStats:
     z_loss: float
     grad_norm: float
     skipped: bool
-    moe: dict[str, Any] | None = None  # MoE specs: the moe_* keys of the train line (H9, issue 8)
+    moe: dict[str, Any] | None = None  # MoE specs: the moe_* keys of the train line
 
 
 def train_step(
@@ -167,8 +207,10 @@ def train_step(
     recipe: Recipe,
     lr: float,
     guard: SpikeGuard,
+    step: int = 1,
 ) -> StepStats:
-    """One optimizer step over this rank's slice of a global batch."""
+    """One optimizer step (1-based ``step``, which seeds random MoE routing) over this
+    rank's slice of a global batch."""
     device = d.device
     tensors = {k: torch.from_numpy(batch[k]).to(device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
     # float64 counts and sums: exact token counts for global batches beyond 2^24 tokens.
@@ -178,10 +220,13 @@ def train_step(
     scale = (d.world_size / n_global).to(torch.float32)
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     micro = layout.per_device_batch
-    moe_terms = []  # H9 (issue 8): per micro-step MoE aux losses of the global micro-batch
+    moe_terms = []  # per micro-step MoE aux losses of the global micro-batch
     moe_group = dist.group.WORLD if d.initialized and d.world_size > 1 else None
+    routing = recipe.moe.routing
     for i in range(layout.accumulation_steps):
         rows = slice(i * micro, (i + 1) * micro)
+        if spec.moe is not None:
+            set_routing_step(model, step, i)
         with gradient_sync(model, i == layout.accumulation_steps - 1):
             with autocast_context(model, recipe.train.precision, device):
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
@@ -193,7 +238,7 @@ def train_step(
                 # Global values, gradient through this rank's tokens: scaled by the rank count
                 # like the CE (the wrapper averages), averaged over micro-steps.
                 aux = moe_aux_losses(moe_stats, group=moe_group)
-                step_loss = step_loss + aux.weighted(spec.moe) * (d.world_size / layout.accumulation_steps)
+                step_loss = step_loss + aux.weighted(spec.moe, routing) * (d.world_size / layout.accumulation_steps)
                 moe_terms.append(aux)
             step_loss.backward()
         sums += torch.stack([ce.detach(), z.detach()]).double()
@@ -203,8 +248,8 @@ def train_step(
     moe = None
     if moe_terms:
         merged = merge_micro_steps(moe_terms)
-        loss += float(merged.weighted(spec.moe))
-        moe = moe_step_metrics(merged, ep_size=1)  # no expert parallelism in the trainer yet
+        loss += float(merged.weighted(spec.moe, routing))
+        moe = moe_step_metrics(merged, ep_size=recipe.torch.expert_parallel)
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = grad_global_norm(params)
@@ -215,7 +260,7 @@ def train_step(
         return StepStats(loss, ce_mean, z_mean, grad_norm, True, moe)
     guard.record(loss, grad_norm)
     if recipe.optim.grad_clip is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, recipe.optim.grad_clip, norm, foreach=True)
+        clip_gradients(params, recipe.optim.grad_clip, norm)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -322,7 +367,7 @@ def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
     seq = mixture.sequence_length
     global_batch = recipe.global_batch_sequences(seq)
     layout = batch_layout(global_batch, world_size, recipe.train.micro_batch_size)
-    check_parallel(recipe.torch, world_size)
+    check_parallel(recipe.torch, world_size, spec)
     total = recipe.total_steps()
     loader = MixtureLoader(
         mixture, global_batch, dp_rank=rank, dp_size=world_size, prefetch=recipe.data.prefetch
@@ -343,6 +388,18 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 # ---- the run -----------------------------------------------------------------------------------
 
+def prepare_model(
+    model: nn.Module, recipe: Recipe, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None
+) -> nn.Module:
+    """The recipe's MoE knobs (``moe.routing``, ``moe.mxfp8``; this rank's place among the
+    data-parallel ranks) on a freshly built model, then ``parallelize`` (expert parallelism
+    over ``experts``, the ``torch.parallel`` wrapper over ``mesh``)."""
+    if model.spec.moe is not None:
+        configure_moe(model, routing=recipe.moe.routing, seed=recipe.train.seed, dp_rank=d.rank,
+                      dp_size=d.world_size, mxfp8=recipe.moe.mxfp8)
+    return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts)
+
+
 def train(recipe: Recipe) -> Path:
     """Run (or resume) the recipe's job on this process; returns the run dir. Every check
     runs before this process joins the process group or writes anything."""
@@ -360,10 +417,12 @@ def train(recipe: Recipe) -> Path:
 
     d = init_distributed(recipe.torch.backend)
     mesh = build_mesh(d, recipe.torch)
+    experts = build_expert_mesh(d, recipe.torch)
     console = ProgressConsole(recipe.log.progress, d.is_main, total, start)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
     console.line(f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
-                 + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else ""))
+                 + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")
+                 + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else ""))
     console.line(f"batch layout: {layout.describe()} (sequence length {seq})")
     prepare_run_dir(recipe, spec, d.is_main)
     d.barrier()
@@ -373,7 +432,7 @@ def train(recipe: Recipe) -> Path:
     init = plan.init
     if init is not None and init.is_hf:
         load_hf(model, read_safetensors(init.path), source=f"init.checkpoint={recipe.init.checkpoint}")
-    model = parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device)
+    model = prepare_model(model, recipe, d, mesh, experts)
     optimizer = make_optimizer(model, recipe, d.device)
     guard = SpikeGuard.from_recipe(recipe)
     if plan.resume is not None:
@@ -424,7 +483,8 @@ def train(recipe: Recipe) -> Path:
             t0 = time.perf_counter()
             batch = next(batches)
             lr = recipe.schedule.lr(step, recipe.optim.lr, total)
-            stats = train_step(model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=lr, guard=guard)
+            stats = train_step(model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=lr,
+                               guard=guard, step=step)
             digest = batch_digest(batch, d)
             step_time = time.perf_counter() - t0
             checkpointer.poll()

@@ -1,0 +1,138 @@
+"""``olmo-train-jax`` with expert parallelism (``jax.mesh.expert``), tiny-moe, CPU, fp32,
+simulated devices in subprocesses:
+
+- uniform routing, expert=4 vs one device: 20 steps within 1e-5, the same perfectly
+  balanced expert counts, rank load 1.0 with the real EP size, nothing dropped;
+- random routing on expert=2: exact (bitwise) resume after a SIGKILL, and the same
+  checkpoint resumed on expert=4 (Orbax reshards the expert weights and their moments)
+  follows within 1e-5, since random routing draws from (seed, step, micro-step, layer)
+  over the global micro-batch whatever the layout;
+- bad meshes are refused with one line naming jax.mesh.expert.
+
+Learned routing across layouts is in ``test_moe_train.py`` (why it is bounded there).
+
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_trainer.py -p no:xdist -q
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import pytest
+from olmo_model import get_preset
+from olmo_model.recipe import RecipeError
+from olmo_model.runlog import complete_checkpoints, read_metrics
+from olmo_train_jax import sharding
+from olmo_train_jax.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_train import run_subprocess, write_mixture  # noqa: E402
+
+STEPS = 20
+# 8 sequences of 64 tokens per step: 2 per device on 4 devices, no accumulation.
+BASE = [
+    "--model=tiny-moe", "--train.global_batch_tokens=512", "--train.precision=fp32", "--log.progress=false",
+]
+UNIFORM = [*BASE, "--moe.routing=uniform", f"--train.steps={STEPS}", f"--checkpoint.every={STEPS}",
+           f"--eval.every={STEPS}"]
+RESUME_STEPS = 8
+RANDOM = [*BASE, "--moe.routing=random", f"--train.steps={RESUME_STEPS}", "--checkpoint.every=4",
+          f"--eval.every={RESUME_STEPS}"]
+
+
+def _train_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    return write_mixture(tmp_path_factory.mktemp("mixture"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("runs")
+
+
+def test_expert_parallel_uniform_routing_follows_one_device_for_20_steps(mixture, runs):
+    one, ep4 = runs / "uniform-one", runs / "uniform-ep4"
+    assert main([*UNIFORM, f"--data.mixture={mixture}", f"--run_dir={one}"]) == 0
+    done = run_subprocess(
+        [*UNIFORM, "--jax.mesh.data=1", "--jax.mesh.expert=4", f"--data.mixture={mixture}", f"--run_dir={ep4}"],
+        devices=4,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=1 x fsdp=1 x expert=4 x tensor=1 over 4 cpu device(s)" in done.stdout
+    spec = get_preset("tiny-moe")
+    a, b = _train_records(one), _train_records(ep4)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    # Uniform: token t -> experts (t*k + j) mod E, so each expert gets exactly T*k/E per layer.
+    balanced = [spec.n_layers * 512 * spec.moe.top_k // spec.moe.n_experts] * spec.moe.n_experts
+    for s in range(1, STEPS + 1):
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5, (s, a[s]["loss"], b[s]["loss"])
+        assert a[s]["moe_tokens_per_expert"] == b[s]["moe_tokens_per_expert"] == balanced
+        assert b[s]["moe_rank_load_max_over_mean"] == 1.0
+        assert b[s]["moe_dropped_tokens"] == 0
+    assert abs(a[STEPS]["loss"] - a[1]["loss"]) > 1e-3  # the weights really moved
+
+
+def test_exact_resume_on_expert_two_and_resharded_resume_on_expert_four(mixture, runs):
+    straight, killed = runs / "random-straight", runs / "random-killed"
+    ep2 = ["--jax.mesh.data=1", "--jax.mesh.expert=2"]
+    done = run_subprocess([*RANDOM, *ep2, f"--data.mixture={mixture}", f"--run_dir={straight}"], devices=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    args = [*RANDOM, *ep2, f"--data.mixture={mixture}", f"--run_dir={killed}"]
+    crash = run_subprocess(args, devices=2, kill_after=4)
+    assert crash.returncode == -9, crash.stderr[-3000:]
+    assert [s for s, _ in complete_checkpoints(killed)] == [4]
+    resharded = runs / "random-ep4"
+    shutil.copytree(killed, resharded)
+
+    resumed = run_subprocess(args, devices=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    want, got = _train_records(straight), _train_records(killed)
+    for s in range(5, RESUME_STEPS + 1):
+        assert got[s]["loss"] == want[s]["loss"], s  # bitwise
+        assert got[s]["moe_tokens_per_expert"] == want[s]["moe_tokens_per_expert"], s
+        assert got[s]["moe_dropped_tokens"] == 0
+
+    # The expert=2 checkpoint onto expert=4: same draws, same maths up to float32 rounding.
+    ep4 = run_subprocess(
+        [*RANDOM, "--jax.mesh.data=1", "--jax.mesh.expert=4", f"--data.mixture={mixture}", f"--run_dir={resharded}"],
+        devices=4,
+    )
+    assert ep4.returncode == 0, ep4.stderr[-3000:]
+    assert "resumed from" in ep4.stdout
+    moved = _train_records(resharded)
+    for s in range(5, RESUME_STEPS + 1):
+        assert abs(moved[s]["loss"] - want[s]["loss"]) <= 1e-5, (s, moved[s]["loss"], want[s]["loss"])
+        assert moved[s]["moe_tokens_per_expert"] == want[s]["moe_tokens_per_expert"], s
+    # Random routing is near-uniform, so no expert rank carries much more than its share.
+    assert all(1.0 <= moved[s]["moe_rank_load_max_over_mean"] < 1.1 for s in range(5, RESUME_STEPS + 1))
+
+
+def test_bad_expert_meshes_are_refused_in_one_line(mixture, tmp_path):
+    n = 1  # this process's device count (no XLA_FLAGS here)
+    with pytest.raises(RecipeError, match=r"jax.mesh.expert=2 does not divide the 1 devices"):
+        sharding.make_mesh({"data": -1, "expert": 2}, devices=jax.devices()[:n])
+    with pytest.raises(RecipeError, match="jax.mesh.expert cannot be -1"):
+        sharding.make_mesh({"data": 1, "expert": -1})
+    fake = SimpleNamespace(shape={"expert": 3})
+    with pytest.raises(RecipeError, match=r"jax.mesh.expert=3 does not divide moe.n_experts=8"):
+        sharding.check_mesh_for_spec(fake, get_preset("tiny-moe"))
+    # A dense spec with an expert axis, through the real entry point: exit 2, one line, nothing written.
+    run_dir = tmp_path / "dense"
+    done = run_subprocess(
+        ["--model=tiny", "--jax.mesh.data=2", "--jax.mesh.expert=2", "--train.steps=2",
+         f"--data.mixture={mixture}", f"--run_dir={run_dir}"],
+        devices=4,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "jax.mesh.expert=2" in lines[0] and "dense" in lines[0], done.stderr
+    assert not run_dir.exists()
