@@ -11,8 +11,8 @@ One command; everything it writes is under --workdir (default runs/parity-8k, gi
    trainer resumes and stops);
    trailing --section.key=value arguments go to the trainer; --skip-train measures the run's
    latest complete checkpoint as it is (e.g. while it still trains);
-2. convert: the run's last checkpoint -> torch:WORKDIR/torch (its DCP files + spec.json),
-   -> hf:WORKDIR/hf and -> jax:WORKDIR/jax with olmo-convert, float32;
+2. convert: the run's last checkpoint (read as torch:CHECKPOINT, its spec from meta.json)
+   -> hf:WORKDIR/hf, then -> jax:WORKDIR/jax with olmo-convert, float32;
 3. tokens: the sample's held-out split (never trained on), code and prose documents
    alternating, eos-separated, cut at --seq-len: WORKDIR/tokens.npy;
 4. logits of torch:, jax: and hf-ref: (transformers) in bfloat16 and float32, one batch of
@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -124,17 +123,6 @@ def last_checkpoint(run_dir: Path) -> Path:
     if not done:
         sys.exit(f"parity_bf16: {run_dir}/checkpoints holds no complete checkpoint; train first")
     return done[-1]
-
-
-def torch_dir(checkpoint: Path, spec_json: Path, dst: Path) -> None:
-    """torch:DST from a trainer checkpoint: its DCP files (model under "model.", which
-    olmo-convert's torch: reader takes) plus the run's spec.json, which the checkpoint lacks."""
-    tmp = dst.with_name(f".{dst.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(checkpoint, tmp)
-    shutil.copy(spec_json, tmp / "spec.json")
-    shutil.rmtree(dst, ignore_errors=True)
-    os.replace(tmp, dst)
 
 
 def convert(src: str, dst: str) -> str:
@@ -239,10 +227,8 @@ def main() -> int:
     summary["eval_sequences_per_source"] = eval_per_source
     summary["this_invocation_seconds"] = wall
     console.print(f"[2/5] converting {checkpoint}")
-    torch_dir(checkpoint, run_dir / "spec.json", workdir / "torch")
     commands = [
-        f"(copy {checkpoint} + {run_dir / 'spec.json'} -> {workdir / 'torch'})",
-        convert(f"torch:{workdir / 'torch'}", f"hf:{workdir / 'hf'}"),
+        convert(f"torch:{checkpoint}", f"hf:{workdir / 'hf'}"),
         convert(f"hf:{workdir / 'hf'}", f"jax:{workdir / 'jax'}"),
     ]
 
@@ -255,7 +241,7 @@ def main() -> int:
     ids = tokens.astype(np.int64)[None, :]
 
     console.print("[4/5] logits (torch, jax, transformers) x (bf16, fp32)")
-    locations = {"torch": f"torch:{workdir / 'torch'}", "jax": f"jax:{workdir / 'jax'}", "hf-ref": f"hf-ref:{workdir / 'hf'}"}
+    locations = {"torch": f"torch:{checkpoint}", "jax": f"jax:{workdir / 'jax'}", "hf-ref": f"hf-ref:{workdir / 'hf'}"}
     logits, seconds = {}, {}
     for name, loc in locations.items():
         for dtype in ("bfloat16", "float32"):

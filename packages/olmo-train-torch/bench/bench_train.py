@@ -9,7 +9,8 @@ window 4096 on layers 0-2 and layer 3 global, so every layer is effectively caus
 length), sequence 512, batch 8, fp32, on this machine's CPU threads. Each contender runs the
 same random batches and a full training step: forward, loss, backward, global-norm clip
 1.0, AdamW. Ours is ``olmo_train_torch.train.train_step`` (z-loss included) eager and with
-``torch.compile`` per block (compile time = first step minus a timed eager step).
+``torch.compile`` per block and on the loss, as the trainer does with ``torch.compile: true``
+(compile time = first step minus a timed eager step).
 transformers: Olmo3ForCausalLM (sdpa attention, plain CE on the shifted labels) with
 ``torch.optim.AdamW(foreach=True)`` and ``clip_grad_norm_``. OLMo-core (ai2-olmo-core from
 PyPI): ``TransformerConfig.olmo3_30M`` with SDPA attention, its fused CE + z-loss LM head and
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from olmo_model import flops_per_token, get_preset, hf_config, param_counts
-from olmo_model.recipe import TorchSection, batch_layout, load_recipe
+from olmo_model.recipe import batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard
 from olmo_train_torch import build_model, to_hf
 from olmo_train_torch.parallelize import Distributed, parallelize
@@ -69,10 +70,12 @@ def _time_steps(step, batches) -> tuple[float, list[float]]:
 
 
 def bench_ours(spec, batches, compile_blocks: bool):
-    recipe = load_recipe(None, ["--model=olmo3-30m", "--train.precision=fp32", "--optim.lr=1e-4"])
+    recipe = load_recipe(None, ["--model=olmo3-30m", "--train.precision=fp32", "--optim.lr=1e-4",
+                                f"--torch.compile={str(compile_blocks).lower()}", "--torch.parallel=none"])
     one = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
     model = build_model(spec, seed=0)
-    model = parallelize(model, None, TorchSection(parallel="none", compile=compile_blocks), "fp32", one.device)
+    # The trainer's own path: blocks compiled by parallelize, the loss by train.loss_sums_fn.
+    model = parallelize(model, None, recipe.torch, "fp32", one.device)
     optimizer = make_optimizer(model, recipe, one.device)
     layout = batch_layout(BATCH, 1)
     guard = SpikeGuard()

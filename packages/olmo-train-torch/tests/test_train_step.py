@@ -8,13 +8,14 @@ import copy
 import math
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from olmo_model.recipe import batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard
 from olmo_train_torch import build_model
 from olmo_train_torch.parallelize import Distributed
-from olmo_train_torch.train import make_optimizer, token_loss_sums, train_step
+from olmo_train_torch.train import loss_sums_fn, make_optimizer, train_step
 
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
 
@@ -33,16 +34,25 @@ def _batch(rows: int = 4, seq: int = 48, seed: int = 0) -> dict[str, np.ndarray]
     return {"input_ids": ids, "labels": labels.astype(np.int32), "doc_ids": doc_ids}
 
 
-def test_token_loss_sums_match_cross_entropy():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "torch.compile"])
+def test_token_loss_sums_match_cross_entropy(compiled):
+    """The loss the trainer uses (compiled when torch.compile is on) against float64
+    F.cross_entropy: values and the gradient of CE + z-loss."""
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50) * 4
     labels = torch.randint(0, 50, (3, 7))
     labels[0, :3] = -100
-    ce, z = token_loss_sums(logits, labels)
-    ref_ce = F.cross_entropy(logits.double().reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
-    lse = torch.logsumexp(logits.double(), -1)[labels != -100]
+    fn = loss_sums_fn(load_recipe(None, [f"--torch.compile={str(compiled).lower()}"]))
+    ours = logits.clone().requires_grad_(True)
+    ce, z = fn(ours, labels)
+    (ce + 1e-2 * z).backward()
+    ref_logits = logits.double().requires_grad_(True)
+    ref_ce = F.cross_entropy(ref_logits.reshape(-1, 50), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    lse = torch.logsumexp(ref_logits, -1)[labels != -100]
+    (ref_ce + 1e-2 * (lse**2).sum()).backward()
     assert abs(ce.item() - ref_ce.item()) < 1e-4
     assert abs(z.item() - (lse**2).sum().item()) < 1e-3
+    np.testing.assert_allclose(ours.grad.numpy(), ref_logits.grad.numpy(), atol=1e-5)
 
 
 def _reference_steps(model, batches, recipe, spec):

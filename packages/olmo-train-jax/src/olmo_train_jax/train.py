@@ -330,7 +330,7 @@ def plan_run(recipe: Recipe) -> Plan:
         init = resolve_init(recipe, spec, FRAMEWORK)
         if init is not None and init.is_hf:
             init_tensors = _read_safetensors(init.path)
-            validate_hf(spec, init_tensors)
+            validate_hf(spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
     return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume, init, init_tensors)
 
 

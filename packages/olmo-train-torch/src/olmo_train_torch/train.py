@@ -38,6 +38,7 @@ RUN/checkpoints/latest or a run dir; weights, plus AdamW state with init.load_op
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import time
@@ -102,6 +103,19 @@ def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     ce = torch.where(valid, lse - target, zero).sum()
     z = torch.where(valid, lse * lse, zero).sum()
     return ce, z
+
+
+@functools.cache
+def _compiled_token_loss_sums():
+    return torch.compile(token_loss_sums)
+
+
+def loss_sums_fn(recipe: Recipe):
+    """``token_loss_sums``, compiled with ``torch.compile`` when the recipe compiles: the
+    logsumexp, gather and z-loss over [tokens, padded vocab] fp32 logits are several
+    memory-bound passes that only compilation fuses, and at small d_model the head and this
+    loss are most of a step (olmo3-30m on CPU: 6.9 s -> 4.4 s for head + loss fwd+bwd)."""
+    return _compiled_token_loss_sums() if recipe.torch.compile else token_loss_sums
 
 
 def weight_decays(recipe: Recipe) -> dict[str, float]:
@@ -232,7 +246,7 @@ def train_step(
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
                 out = model(tensors["input_ids"][rows], doc_ids, return_moe_stats=spec.moe is not None)
                 logits, moe_stats = out if spec.moe is not None else (out, [])
-            ce, z = token_loss_sums(logits, tensors["labels"][rows])
+            ce, z = loss_sums_fn(recipe)(logits, tensors["labels"][rows])
             step_loss = (ce + spec.z_loss_weight * z) * scale
             if moe_stats:
                 # Global values, gradient through this rank's tokens: scaled by the rank count
