@@ -103,12 +103,25 @@ def one_process_run(mixture, tmp_path_factory) -> Path:
     return run_dir
 
 
+def refused(capsys, args: list[str], *expected: str) -> None:
+    """``olmo-train-torch ARGS`` in this process exits 2 with one stderr line holding ``expected``."""
+    from olmo_train_torch.cli import main
+
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for word in expected:
+        assert word in err, err
+
+
 class Harness:
     make_mixture = staticmethod(make_mixture)
     run = staticmethod(run_trainer)
     args = staticmethod(common_args)
     check_ok = staticmethod(check_ok)
     train_lines = staticmethod(train_lines)
+    refused = staticmethod(refused)
 
 
 @pytest.fixture(scope="session")

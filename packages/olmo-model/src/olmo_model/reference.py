@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from .hf import hf_param_shapes
-from .spec import SLIDING, MoESpec, ModelSpec
+from .spec import MoESpec, ModelSpec
 
 Params = dict[str, np.ndarray]
 
