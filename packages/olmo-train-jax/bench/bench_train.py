@@ -120,7 +120,9 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
     from olmo_model import hf_config
     from olmo_model.recipe import load_recipe
     from olmo_train_jax.model import build_model
+    from olmo_train_jax.head_loss import head_loss_sums
     from olmo_train_jax.train import make_optimizer, token_loss_sums
+    from olmo_train_torch.head_loss import head_loss_sums as torch_head_loss_sums
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     rng = np.random.default_rng(1)
@@ -131,10 +133,14 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
 
     labels_j, ids_j = jnp.asarray(labels), jnp.asarray(ids)
 
-    def head_loss(x, w):
+    def head_loss_plain(x, w):
         logits = jnp.einsum("bsd,dv->bsv", x, w, preferred_element_type=jnp.float32)
         ce, z, n = token_loss_sums(logits, labels_j)
         return (ce + z_weight * z) / n
+
+    def head_loss(x, w):  # the trainer's: chunked, gradient computed in the forward pass
+        objective, _, _, n = head_loss_sums(x, w, labels_j, z_weight)
+        return objective / n
 
     graphdef, state = nnx.split(build_model(spec, seed=0))
 
@@ -145,9 +151,11 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
 
     with jax.default_matmul_precision("highest"):  # as the fp32 trainer runs
         jax_head = jax.jit(jax.grad(head_loss, argnums=(0, 1)))
+        jax_head_plain = jax.jit(jax.grad(head_loss_plain, argnums=(0, 1)))
         jax_body = jax.jit(jax.grad(body))
     x_j, w_j = jnp.asarray(hidden), jnp.asarray(head)
-    pieces["JAX head + loss"] = lambda: jax.block_until_ready(jax_head(x_j, w_j))
+    pieces["JAX head + loss (trainer: chunked)"] = lambda: jax.block_until_ready(jax_head(x_j, w_j))
+    pieces["JAX head + loss (plain autodiff)"] = lambda: jax.block_until_ready(jax_head_plain(x_j, w_j))
     pieces["JAX layers + embedding"] = lambda: jax.block_until_ready(jax_body(state))
     params = jax.tree.map(jnp.copy, nnx.to_pure_dict(state))
     tx = make_optimizer(params, load_recipe(None, ["--train.precision=fp32"]))
@@ -177,13 +185,21 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
         (ce + z_weight * (lse**2).mean()).backward()
         x_t.grad = w_t.grad = None
 
+    w_rows = torch.from_numpy(head.T.copy()).requires_grad_()
+
+    def torch_head_ours():
+        objective, _, _ = torch_head_loss_sums(x_t, w_rows, y_t, z_weight)
+        (objective / (y_t != -100).sum()).backward()
+        x_t.grad = w_rows.grad = None
+
     torch.manual_seed(0)
     model = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).float().train()
     ids_t = torch.from_numpy(ids).long()
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)  # the body's backward accumulates onto these
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True)
-    pieces["torch head + loss"] = torch_head
+    pieces["torch head + loss (olmo-train-torch: chunked)"] = torch_head_ours
+    pieces["torch head + loss (transformers' way)"] = torch_head
     pieces["torch layers + embedding"] = lambda: model.model(input_ids=ids_t).last_hidden_state.sum().backward()
     pieces["torch AdamW"] = opt.step
 

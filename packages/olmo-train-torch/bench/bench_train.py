@@ -74,7 +74,7 @@ def bench_ours(spec, batches, compile_blocks: bool):
                                 f"--torch.compile={str(compile_blocks).lower()}", "--torch.parallel=none"])
     one = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
     model = build_model(spec, seed=0)
-    # The trainer's own path: blocks compiled by parallelize, the loss by train.loss_sums_fn.
+    # The trainer's own path: blocks compiled by parallelize, head + loss fused (head_loss.py).
     model = parallelize(model, None, recipe.torch, "fp32", one.device)
     optimizer = make_optimizer(model, recipe, one.device)
     layout = batch_layout(BATCH, 1)

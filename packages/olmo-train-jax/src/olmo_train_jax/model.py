@@ -299,6 +299,28 @@ class OlmoModel(nnx.Module):
         dense spec). ``routing`` is learned/random/uniform (``moe.route``); random routing
         needs ``routing_key``, e.g. ``jax.random.fold_in(jax.random.key(seed), step)``; each
         layer folds in its index."""
+        x, stats = self.hidden_with_aux(input_ids, doc_ids, routing=routing, routing_key=routing_key)
+        precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, self.head_weight(), preferred_element_type=jnp.float32, precision=precision
+        )
+        return logits, stats
+
+    def head_weight(self) -> jax.Array:
+        """The output head [d_model, padded_vocab] in the compute dtype."""
+        return self.lm_head[...].astype(self.dtype)
+
+    def hidden_with_aux(
+        self,
+        input_ids: jax.Array,
+        doc_ids: jax.Array | None = None,
+        *,
+        routing: str = "learned",
+        routing_key: jax.Array | None = None,
+    ) -> tuple[jax.Array, MoEStats | None]:
+        """(final-normed hidden states [B, S, d_model] in the compute dtype, MoE stats): the
+        forward without the output head, for ``head_loss.head_loss_sums`` (arguments as
+        ``forward_with_aux``)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
@@ -352,17 +374,15 @@ class OlmoModel(nnx.Module):
         per_layer = jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), per_layer)
 
         x = rms_norm(x, self.final_norm[...], spec.norm_eps)
-        head = self.lm_head[...].astype(dtype)
-        logits = jnp.einsum("bsd,dv->bsv", x, head, preferred_element_type=jnp.float32)
         if per_layer is None:
-            return logits, None
+            return x, None
         stats = MoEStats(
             load_balancing=jnp.mean(per_layer.load_balancing),
             router_z=jnp.mean(per_layer.router_z),
             tokens_per_expert=jnp.sum(per_layer.tokens_per_expert, axis=0),
             dropped=jnp.sum(per_layer.dropped),
         )
-        return logits, stats
+        return x, stats
 
     def _block(self, x, w, cos, sin, window, doc_ids, routing, key):
         spec, dtype = self.spec, self.dtype

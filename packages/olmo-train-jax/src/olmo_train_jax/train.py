@@ -77,6 +77,7 @@ from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
 from .hf_adapter import model_from_hf, validate_hf
+from .head_loss import head_loss_sums
 from .model import build_model
 from .moe import MoEStats, aux_loss, moe_metrics
 
@@ -160,11 +161,14 @@ def make_step_functions(
     seed_key = jax.random.key(recipe.train.seed)
 
     def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation, routing_key):
-        logits, moe_stats = nnx.merge(graphdef, params).forward_with_aux(
+        model = nnx.merge(graphdef, params)
+        hidden, moe_stats = model.hidden_with_aux(
             input_ids, doc_ids if masking else None, routing=routing, routing_key=routing_key
         )
-        ce, z, _ = token_loss_sums(logits, labels)
-        loss = (ce + z_weight * z) / n_tokens
+        # Head + CE + z-loss chunk by chunk, gradient included (head_loss.py): the full
+        # [tokens, vocab] logits never exist.
+        objective, ce, z, _ = head_loss_sums(hidden, model.head_weight(), labels, z_weight)
+        loss = objective / n_tokens
         if moe_stats is not None:
             # Each micro-step's aux losses cover its global micro-batch; the step's aux term
             # is their mean over micro-steps (as the Torch trainer does).
@@ -229,8 +233,9 @@ def make_step_functions(
         return params, opt_state, stats
 
     def evaluate(params, input_ids, labels, doc_ids):
-        logits = nnx.merge(graphdef, params)(input_ids, doc_ids if masking else None)
-        ce, _, n = token_loss_sums(logits, labels)
+        model = nnx.merge(graphdef, params)
+        hidden, _ = model.hidden_with_aux(input_ids, doc_ids if masking else None)
+        _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight)
         return ce, n
 
     batch_in = {k: batch_sh for k in BATCH_KEYS}

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from olmo_model import ModelSpec, YarnSpec
 from torch import nn
 
+from .head_loss import head_loss_sums
 from .moe import GroupedExperts, MoE, RoutingStats
 
 
@@ -231,12 +232,23 @@ class OlmoModel(nn.Module):
 
     # ---- forward / init ---------------------------------------------------------------
     def forward(
-        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, *, return_moe_stats: bool = False
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        *,
+        return_moe_stats: bool = False,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[RoutingStats]]:
         """Logits in the parameter dtype. ``doc_ids`` [B,S] (any integer labels, equal
         within a document) restricts attention to the query's own document; RoPE positions
         keep counting across documents (Olmo-core style). ``return_moe_stats`` also returns
-        each MoE layer's routing statistics (an empty list for a dense spec)."""
+        each MoE layer's routing statistics (an empty list for a dense spec).
+
+        With ``labels`` [B,S] the output head and the loss run fused, chunk by chunk
+        (``head_loss.head_loss_sums``, the full logits never exist) and the first output is
+        the float32 tensor ``[ce + z_loss_weight * z, ce, z]`` of sums over labels != -100,
+        differentiable in its first entry only. It goes through ``forward`` so that FSDP's
+        hooks gather the head's weight."""
         _, seq = input_ids.shape
         device = input_ids.device
         same_doc = None
@@ -259,8 +271,12 @@ class OlmoModel(nn.Module):
                 moe_stats.append(stats)
             else:
                 x = out
-        logits = self.lm_head(self.norm(x))
-        return (logits, moe_stats) if return_moe_stats else logits
+        if labels is not None:
+            sums = head_loss_sums(self.norm(x), self.lm_head.weight, labels, self.spec.z_loss_weight)
+            out = torch.stack(sums)
+        else:
+            out = self.lm_head(self.norm(x))
+        return (out, moe_stats) if return_moe_stats else out
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -38,7 +38,6 @@ RUN/checkpoints/latest or a run dir; weights, plus AdamW state with init.load_op
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import time
@@ -103,20 +102,6 @@ def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
     ce = torch.where(valid, lse - target, zero).sum()
     z = torch.where(valid, lse * lse, zero).sum()
     return ce, z
-
-
-@functools.cache
-def _compiled_token_loss_sums():
-    return torch.compile(token_loss_sums)
-
-
-def loss_sums_fn(recipe: Recipe):
-    """``token_loss_sums``, compiled with ``torch.compile`` when the recipe compiles: the
-    logsumexp, gather and z-loss over [tokens, padded vocab] fp32 logits are several
-    memory-bound passes that only compilation fuses, and at small d_model the head and this
-    loss are most of a step (olmo3-30m on CPU, bench/bench_train.py: the compiled step went
-    from 6.5 s to 5.2 s when the loss was compiled too)."""
-    return _compiled_token_loss_sums() if recipe.torch.compile else token_loss_sums
 
 
 def weight_decays(recipe: Recipe) -> dict[str, float]:
@@ -245,10 +230,14 @@ def train_step(
         with gradient_sync(model, i == layout.accumulation_steps - 1):
             with autocast_context(model, recipe.train.precision, device):
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
-                out = model(tensors["input_ids"][rows], doc_ids, return_moe_stats=spec.moe is not None)
-                logits, moe_stats = out if spec.moe is not None else (out, [])
-            ce, z = loss_sums_fn(recipe)(logits, tensors["labels"][rows])
-            step_loss = (ce + spec.z_loss_weight * z) * scale
+                # Head + CE + z-loss fused over token chunks (head_loss.py): [objective, ce, z].
+                out = model(
+                    tensors["input_ids"][rows], doc_ids, return_moe_stats=spec.moe is not None,
+                    labels=tensors["labels"][rows],
+                )
+                head_sums, moe_stats = out if spec.moe is not None else (out, [])
+            objective, ce, z = head_sums.unbind()
+            step_loss = objective * scale
             if moe_stats:
                 # Global values, gradient through this rank's tokens: scaled by the rank count
                 # like the CE (the wrapper averages), averaged over micro-steps.
@@ -319,8 +308,10 @@ def evaluate(
                 part, counts = slice(0, rows), d.is_main
             t = {k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
             with autocast_context(model, recipe.train.precision, d.device):
-                logits = model(t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None)
-            ce, _ = token_loss_sums(logits, t["labels"])
+                head_sums = model(
+                    t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None, labels=t["labels"]
+                )
+            ce = head_sums[1]
             if counts:
                 sums += torch.stack([ce.double(), (t["labels"] != IGNORE_INDEX).sum().double()])
         d.all_reduce_sum(sums)

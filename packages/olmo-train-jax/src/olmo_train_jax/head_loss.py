@@ -1,0 +1,143 @@
+"""Output head + cross-entropy + z-loss in one pass over token chunks, with its own backward.
+
+The plain path materialises the float32 logits of every token ([tokens, padded_vocab]: 1.6 GB
+for 4096 tokens of the 100k Olmo 3 vocabulary), then autodiff makes the softmax and its
+cotangent the same size again and XLA:CPU transposes that cotangent for the head's weight
+gradient. Here the logits of one chunk of positions exist at a time:
+
+- forward (what ``jax.grad`` runs): per chunk, logits = x_c @ head, logsumexp, the chunk's CE
+  and z-loss sums, and at once the gradient of ``ce + z_weight * z`` with respect to the
+  logits, ``softmax * (1 + 2 z_weight lse) - onehot``, which gives d x_c (head^T) and adds into
+  d head (x_c^T); the chunk's logits are then dropped;
+- backward: the saved gradients times the incoming cotangent of the (scalar) objective.
+
+So a training step does the usual three head matmuls (no recomputation: model FLOPs stay
+honest) and holds one chunk of logits instead of all of them. Without ``jax.grad`` (evaluation)
+only the forward sums run. Chunks split the sequence axis, never the batch axis, so a batch
+sharded over data/fsdp devices stays where it is; a vocabulary-sharded head (tensor axis) is
+reduced by XLA inside the chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+IGNORE_INDEX = -100
+# Positions per chunk are chosen so that one chunk's float32 logits stay near this many bytes
+# (batch rows x chunk positions x padded vocab x 4): small enough to stay in a CPU's last-level
+# cache / a GPU's memory headroom, large enough that the matmuls stay efficient.
+CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_positions(batch: int, seq_len: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Largest divisor of ``seq_len`` whose chunk logits (batch x c x vocab float32) fit
+    ``chunk_bytes``; at least 1."""
+    best = 1
+    for c in range(1, seq_len + 1):
+        if seq_len % c == 0 and batch * c * vocab * 4 <= chunk_bytes:
+            best = c
+    return best
+
+
+def _chunks(a: jax.Array, c: int) -> jax.Array:
+    """[B, S, ...] -> [S // c, B, c, ...]."""
+    B, S = a.shape[:2]
+    return jnp.swapaxes(a.reshape(B, S // c, c, *a.shape[2:]), 0, 1)
+
+
+def _unchunk(a: jax.Array) -> jax.Array:
+    """[n, B, c, ...] -> [B, n * c, ...]."""
+    a = jnp.swapaxes(a, 0, 1)
+    return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+
+
+def _precision(dtype) -> jax.lax.Precision:
+    # float32 compute is the parity mode: full float32 matmuls on every backend (as the model).
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _chunk_sums(x_c, head, labels_c):
+    """Logits of one chunk and its (CE sum, z sum, lse, valid mask), float32."""
+    logits = jnp.einsum(
+        "bcd,dv->bcv", x_c, head, preferred_element_type=jnp.float32, precision=_precision(x_c.dtype)
+    )
+    valid = labels_c != IGNORE_INDEX
+    safe = jnp.where(valid, labels_c, 0)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    e = jnp.exp(logits - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    lse = (jnp.log(s) + m)[..., 0]
+    target = jnp.take_along_axis(logits, safe[..., None], axis=-1)[..., 0]
+    ce = jnp.sum(jnp.where(valid, lse - target, 0.0))
+    z = jnp.sum(jnp.where(valid, lse * lse, 0.0))
+    return logits, e, s, lse, valid, safe, ce, z
+
+
+def _sums_only(x, head, labels, chunk):
+    def body(carry, xs):
+        x_c, labels_c = xs
+        *_, ce, z = _chunk_sums(x_c, head, labels_c)
+        return (carry[0] + ce, carry[1] + z), None
+
+    (ce, z), _ = jax.lax.scan(body, (jnp.float32(0), jnp.float32(0)), (_chunks(x, chunk), _chunks(labels, chunk)))
+    return ce, z
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _objective(x, head, labels, z_weight, chunk):
+    ce, z = _sums_only(x, head, labels, chunk)
+    return ce + z_weight * z, ce, z
+
+
+def _objective_fwd(x, head, labels, z_weight, chunk):
+    def body(carry, xs):
+        ce_acc, z_acc, dhead = carry
+        x_c, labels_c = xs
+        logits, e, s, lse, valid, safe, ce, z = _chunk_sums(x_c, head, labels_c)
+        # d(ce + w z)/d logits = softmax (1 + 2 w lse) - onehot(label), zero where ignored.
+        scale = jnp.where(valid, 1.0 + 2.0 * z_weight * lse, 0.0)[..., None] / s
+        g = e * scale
+        onehot = (jnp.arange(logits.shape[-1], dtype=safe.dtype) == safe[..., None]) & valid[..., None]
+        g = jnp.where(onehot, g - 1.0, g).astype(x_c.dtype)
+        precision = _precision(x_c.dtype)
+        dx_c = jnp.einsum("bcv,dv->bcd", g, head, preferred_element_type=jnp.float32, precision=precision)
+        dhead = dhead + jnp.einsum("bcd,bcv->dv", x_c, g, preferred_element_type=jnp.float32, precision=precision)
+        return (ce_acc + ce, z_acc + z, dhead), dx_c
+
+    zero = (jnp.float32(0), jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
+    (ce, z, dhead), dx = jax.lax.scan(body, zero, (_chunks(x, chunk), _chunks(labels, chunk)))
+    dx = _unchunk(dx).astype(x.dtype)
+    return (ce + z_weight * z, ce, z), (dx, dhead.astype(head.dtype))
+
+
+def _objective_bwd(z_weight, chunk, residuals, cotangents):
+    dx, dhead = residuals
+    # Only the objective is differentiable: head_loss() stops the gradient of ce and z.
+    g = cotangents[0]
+    return (dx * g.astype(dx.dtype), dhead * g.astype(dhead.dtype), None)
+
+
+_objective.defvjp(_objective_fwd, _objective_bwd)
+
+
+def head_loss_sums(
+    x: jax.Array, head: jax.Array, labels: jax.Array, z_weight: float, chunk: int | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(ce + z_weight * z, ce, z, valid tokens) summed over labels != -100, float32.
+
+    ``x`` [B, S, d] final-normed hidden states, ``head`` [d, V] in the compute dtype, ``labels``
+    [B, S]. Only the first value is differentiable (its gradient is exact, computed chunk by
+    chunk); ce and z are reported sums. ``chunk``: positions per chunk, a divisor of S
+    (default: ``chunk_positions``)."""
+    B, S, _ = x.shape
+    if chunk is None:
+        chunk = chunk_positions(B, S, head.shape[-1])
+    if S % chunk:
+        raise ValueError(f"head_loss chunk={chunk} does not divide the sequence length {S}")
+    labels = labels.astype(jnp.int32)
+    objective, ce, z = _objective(x, head, labels, float(z_weight), int(chunk))
+    n = jnp.sum(labels != IGNORE_INDEX).astype(jnp.float32)
+    return objective, jax.lax.stop_gradient(ce), jax.lax.stop_gradient(z), n
