@@ -1,5 +1,5 @@
-"""The static-kind attention paths of the JAX model (causal, dense local window, blocked local
-window, each with and without document masking) against a float64 numpy attention written
+"""The static-kind attention paths of the JAX model (blocked causal for global and short
+sliding layers, blocked local window, each with and without document masking) against a float64 numpy attention written
 from the definition, and the scan period of the layer pattern; plus a model whose scan walks
 more than one repeat of its pattern against transformers and the numpy reference.
 
@@ -18,6 +18,7 @@ from olmo_model import FULL, SLIDING, get_preset, hf_config, reference
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 from olmo_train_jax import model_from_hf
+from olmo_train_jax.causal_attention import blocked_causal_attention, query_block
 from olmo_train_jax.model import _blocked_local_attention, _blocking_pays, attention, scan_period
 
 jax.config.update("jax_enable_x64", False)
@@ -82,7 +83,7 @@ def test_blocked_local_attention_matches_reference(seq, kv_heads, docs):
     [
         (40, None, "causal"),
         (40, 40, "causal"),  # window covers the sequence: the same as global
-        (40, 16, "dense local"),  # S < 4W: blocking does not pay
+        (40, 16, "short local"),  # S < 4W: the O(S W) path does not pay; blocked causal with a window
         (100, 16, "blocked"),
         (130, 25, "blocked"),  # S not a multiple of W
     ],
@@ -118,6 +119,53 @@ def test_attention_gradients_match_dense():
     ref = jax.jit(jax.grad(dense, argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(ours, ref, strict=True):
         assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * np.abs(np.asarray(b)).max()
+
+
+@pytest.mark.parametrize(
+    "seq,window,block,kv_heads",
+    [
+        (40, None, 8, 2),  # 5 query blocks, global
+        (40, None, 40, 1),  # one block, MQA
+        (48, 12, 16, 2),  # the window reaches back past one block boundary
+        (48, 5, 16, 4),  # a window shorter than a block, MHA
+    ],
+    ids=["global-5-blocks", "global-1-block-mqa", "window-12-block-16", "window-5-block-16"],
+)
+@pytest.mark.parametrize("docs", [False, True], ids=["no-docs", "docs"])
+def test_blocked_causal_attention_and_gradients(seq, window, block, kv_heads, docs):
+    """causal_attention.blocked_causal_attention (query blocks skipping the keys above the
+    diagonal/outside the window; its own backward from the saved logsumexp): forward against
+    the float64 reference, gradients against jax.nn.dot_product_attention with a dense mask."""
+    q, k, v = _qkv(seq, kv_heads=kv_heads, seed=seq + (window or 0))
+    doc_ids = _documents(seq, seed=seq) if docs else None
+    ours = jax.jit(blocked_causal_attention, static_argnums=(3, 5))(q, k, v, window, doc_ids, block)
+    assert np.abs(np.asarray(ours) - _reference(q, k, v, window, doc_ids)).max() <= 1e-6
+
+    cot = jnp.asarray(np.random.default_rng(5).standard_normal(q.shape).astype(np.float32))
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    allowed = jnp.asarray((j <= i) & ((i - j < window) if window else True))[None, None]
+    if docs:
+        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+
+    def blocked(q, k, v):
+        return jnp.sum(blocked_causal_attention(q, k, v, window, doc_ids, block) * cot)
+
+    def dense(q, k, v):
+        return jnp.sum(jax.nn.dot_product_attention(q, k, v, mask=allowed) * cot)
+
+    got = jax.jit(jax.grad(blocked, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(dense, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(got, want, strict=True):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5 * np.abs(np.asarray(b)).max()
+
+
+def test_query_block_choice():
+    assert query_block(200) == 200  # short: one block
+    assert query_block(512) == 256
+    assert query_block(8192) == 512  # at most 16 unrolled blocks
+    assert query_block(4099) == 4099  # a prime: no divisor, one block
+    with pytest.raises(ValueError, match="block 7 does not divide the sequence length 40"):
+        blocked_causal_attention(*_qkv(40), block=7)
 
 
 def test_scan_period():

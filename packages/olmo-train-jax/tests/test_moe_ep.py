@@ -74,7 +74,11 @@ def _measure() -> dict:
         params = nnx.to_pure_dict(state)
         if mesh is not None:
             params = placed(params, mesh)
-        tx = optax.adamw(3e-3, b1=0.9, b2=0.95, weight_decay=0.1)
+        # lr 1e-3: at 3e-3 a near-tie top-k choice flipped at step ~12 (token counts differ from
+        # then on) once the attention kernel's rounding changed, and the runs part by up to 1e-4;
+        # at 1e-3 they agree within 2e-6 for all 20 steps with the same counts, and the loss still
+        # falls by ~0.9. Learned routing's sensitivity to near ties is a known limit (issue #8).
+        tx = optax.adamw(1e-3, b1=0.9, b2=0.95, weight_decay=0.1)
         opt = tx.init(params)
 
         def loss_fn(p, ids, labels):

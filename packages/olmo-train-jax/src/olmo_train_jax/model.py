@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
 
+from .causal_attention import blocked_causal_attention
 from .moe import ROUTING_MODES, ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
@@ -192,18 +193,14 @@ def attention(q, k, v, window: int | None, doc_ids: jax.Array | None = None) -> 
     when K < N), ``window`` the keys a query sees including itself (None: global), ``doc_ids``
     [B, S] restricts each query to its document. Returns [B, S, N, H].
 
-    ``implementation=None`` is XLA in jax 0.10; the causal flag and ``local_window_size``
-    (not a mask array) are what a fused kernel (cuDNN) needs to skip the masked blocks."""
+    Global layers and short-sequence sliding layers: ``blocked_causal_attention`` (query blocks
+    that skip the keys above the diagonal / outside the window, a backward that recomputes the
+    probabilities; never an S x S array). Sliding layers with S >= ~4W: the O(S W) blocked local
+    path. Both are plain XLA; a fused kernel (cuDNN, Splash) is not wired in yet."""
     S = q.shape[1]
-    doc_mask = None if doc_ids is None else _same_document(doc_ids, doc_ids)  # [B, 1, S, S]
-    if window is None or window >= S:
-        return jax.nn.dot_product_attention(q, k, v, mask=doc_mask, is_causal=True, implementation=None)
-    if _blocking_pays(S, window):
+    if window is not None and window < S and _blocking_pays(S, window):
         return _blocked_local_attention(q, k, v, window, doc_ids)
-    # local_window_size=(left, right): keys at distance <= left, i.e. < window.
-    return jax.nn.dot_product_attention(
-        q, k, v, mask=doc_mask, is_causal=True, local_window_size=(window - 1, 0), implementation=None
-    )
+    return blocked_causal_attention(q, k, v, window, doc_ids)
 
 
 class StackedLayers(nnx.Module):
