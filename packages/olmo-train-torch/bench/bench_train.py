@@ -9,7 +9,8 @@ window 4096 on layers 0-2 and layer 3 global, so every layer is effectively caus
 length), sequence 512, batch 8, fp32, on this machine's CPU threads. Each contender runs the
 same random batches and a full training step: forward, loss, backward, global-norm clip
 1.0, AdamW. Ours is ``olmo_train_torch.train.train_step`` (z-loss included) eager and with
-``torch.compile`` per block and on the loss, as the trainer does with ``torch.compile: true``
+``torch.compile`` per block, as the trainer does with ``torch.compile: true``; the head and loss
+are fused over token chunks (head_loss.py) in both modes
 (compile time = first step minus a timed eager step).
 transformers: Olmo3ForCausalLM (sdpa attention, plain CE on the shifted labels) with
 ``torch.optim.AdamW(foreach=True)`` and ``clip_grad_norm_``. OLMo-core (ai2-olmo-core from
