@@ -15,7 +15,8 @@ One routed-expert call (``expert_parallel_experts``, under ``jax.shard_map``), p
 2. dispatch: one ``jax.lax.all_to_all`` over ``expert`` sends each run to its rank, with the
    local expert id of every row;
 3. the receiver sorts what it got by local expert and runs the grouped SwiGLU
-   (``jax.lax.ragged_dot``) over its E/ep experts;
+   (``moe.grouped_swiglu``: ``jax.lax.ragged_dot``, or one-expert tiles on CPU) over its
+   E/ep experts;
 4. combine: the reverse ``all_to_all`` returns the outputs to the token's device, which
    unsorts them and adds the k weighted outputs per token.
 

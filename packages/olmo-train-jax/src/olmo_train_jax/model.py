@@ -8,10 +8,13 @@ Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
   (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
 - RoPE in the rotate-half layout, inverse frequencies in float32 as transformers computes
   them; YaRN (with its attention factor on cos/sin) on full_attention layers only;
-- GQA; attention through ``jax.nn.dot_product_attention``: causal, the sliding window of
-  that layer (static per layer, see below) and, optionally, document boundaries;
+- GQA; causal attention (``attention``: ``causal_attention.blocked_causal_attention`` for
+  global and short sliding layers, the O(S W) blocked local path for long sliding ones),
+  with the sliding window of that layer (static per layer, see below) and, optionally,
+  document boundaries;
 - SwiGLU MLP, or a mixture-of-experts block (``moe.py``: router, top-k, routed SwiGLU
-  experts as grouped ``ragged_dot`` matmuls, shared experts) when the spec has ``moe``;
+  experts as grouped matmuls (``ragged_dot``; one-expert tiles on CPU), shared experts)
+  when the spec has ``moe``;
   no biases anywhere.
 
 Parameter layout: the per-layer weights are STACKED along a leading ``n_layers`` axis

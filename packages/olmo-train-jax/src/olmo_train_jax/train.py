@@ -91,7 +91,9 @@ BATCH_KEYS = ("input_ids", "labels", "doc_ids")
 # ---- the maths of one step -----------------------------------------------------------------
 
 def token_loss_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(sum of CE, sum of logsumexp^2, valid tokens) over labels != -100, in float32."""
+    """(sum of CE, sum of logsumexp^2, valid tokens) over labels != -100, in float32, from
+    materialised logits: the plain loss that the trainer's fused ``head_loss.head_loss_sums``
+    is tested and benchmarked against (the trainer itself never builds full logits)."""
     logits = logits.astype(jnp.float32)
     valid = labels != IGNORE_INDEX
     lse = jax.nn.logsumexp(logits, axis=-1)

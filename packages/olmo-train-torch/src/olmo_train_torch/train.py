@@ -91,19 +91,6 @@ CLIP_EPS = 1e-6
 
 # ---- the maths of one step -------------------------------------------------------------------
 
-def token_loss_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of CE, sum of logsumexp^2) over labels != -100, in float32; padded vocab rows
-    take part in the logsumexp (not masked, as OLMo-core)."""
-    logits = logits.float()
-    valid = labels != IGNORE_INDEX
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
-    ce = torch.where(valid, lse - target, zero).sum()
-    z = torch.where(valid, lse * lse, zero).sum()
-    return ce, z
-
-
 def weight_decays(recipe: Recipe) -> dict[str, float]:
     """Weight decay per parameter group: every matrix decays (routed experts included); the
     input embedding only with optim.decay_embeddings (Olmo 3: not); norm weights only with
