@@ -294,33 +294,14 @@ class OlmoModel(nnx.Module):
         *,
         routing: str = "learned",
         routing_key: jax.Array | None = None,
+        head: bool = True,
     ) -> tuple[jax.Array, MoEStats | None]:
         """(logits, MoE stats over the MoE layers: losses averaged, counts summed; None for a
         dense spec). ``routing`` is learned/random/uniform (``moe.route``); random routing
         needs ``routing_key``, e.g. ``jax.random.fold_in(jax.random.key(seed), step)``; each
-        layer folds in its index."""
-        x, stats = self.hidden_with_aux(input_ids, doc_ids, routing=routing, routing_key=routing_key)
-        precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
-        logits = jnp.einsum(
-            "bsd,dv->bsv", x, self.head_weight(), preferred_element_type=jnp.float32, precision=precision
-        )
-        return logits, stats
-
-    def head_weight(self) -> jax.Array:
-        """The output head [d_model, padded_vocab] in the compute dtype."""
-        return self.lm_head[...].astype(self.dtype)
-
-    def hidden_with_aux(
-        self,
-        input_ids: jax.Array,
-        doc_ids: jax.Array | None = None,
-        *,
-        routing: str = "learned",
-        routing_key: jax.Array | None = None,
-    ) -> tuple[jax.Array, MoEStats | None]:
-        """(final-normed hidden states [B, S, d_model] in the compute dtype, MoE stats): the
-        forward without the output head, for ``head_loss.head_loss_sums`` (arguments as
-        ``forward_with_aux``)."""
+        layer folds in its index. ``head=False``: the final-normed hidden states [B, S,
+        d_model] in the compute dtype instead of the logits, for ``head_loss.head_loss_sums``
+        with ``head_weight()``."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
@@ -332,9 +313,21 @@ class OlmoModel(nnx.Module):
         # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run
         # float32 matmuls with bf16/tf32 passes); this is the parity mode.
         if self.dtype != jnp.float32:
-            return self._forward(input_ids, doc_ids, routing, routing_key)
-        with jax.default_matmul_precision("highest"):
-            return self._forward(input_ids, doc_ids, routing, routing_key)
+            x, stats = self._forward(input_ids, doc_ids, routing, routing_key)
+        else:
+            with jax.default_matmul_precision("highest"):
+                x, stats = self._forward(input_ids, doc_ids, routing, routing_key)
+        if not head:
+            return x, stats
+        precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+        logits = jnp.einsum(
+            "bsd,dv->bsv", x, self.head_weight(), preferred_element_type=jnp.float32, precision=precision
+        )
+        return logits, stats
+
+    def head_weight(self) -> jax.Array:
+        """The output head [d_model, padded_vocab] in the compute dtype."""
+        return self.lm_head[...].astype(self.dtype)
 
     def _forward(self, input_ids, doc_ids, routing, routing_key):
         spec, dtype = self.spec, self.dtype

@@ -164,8 +164,8 @@ def make_step_functions(
 
     def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation, routing_key):
         model = nnx.merge(graphdef, params)
-        hidden, moe_stats = model.hidden_with_aux(
-            input_ids, doc_ids if masking else None, routing=routing, routing_key=routing_key
+        hidden, moe_stats = model.forward_with_aux(
+            input_ids, doc_ids if masking else None, routing=routing, routing_key=routing_key, head=False
         )
         # Head + CE + z-loss chunk by chunk, gradient included (head_loss.py): the full
         # [tokens, vocab] logits never exist.
@@ -236,7 +236,7 @@ def make_step_functions(
 
     def evaluate(params, input_ids, labels, doc_ids):
         model = nnx.merge(graphdef, params)
-        hidden, _ = model.hidden_with_aux(input_ids, doc_ids if masking else None)
+        hidden, _ = model.forward_with_aux(input_ids, doc_ids if masking else None, head=False)
         _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight)
         return ce, n
 
