@@ -75,6 +75,37 @@ def test_fused_head_loss_matches_torch_float64(chunk):
     np.testing.assert_allclose(np.asarray(gh), th.grad.numpy(), atol=2e-6)
 
 
+def test_fused_head_loss_bf16_matches_float64_on_the_rounded_inputs():
+    """bf16 compute (the trainer's bf16 mode): bf16 x and head, float32 logits and sums. The
+    sums match float64 on the same bf16-rounded inputs (products of bf16 values are exact in
+    float32, so only float32 accumulation differs); the gradients come back in bf16 and carry
+    the bf16 rounding of the logits' gradient (8 significant bits: within 2% of the largest)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 16, 32)), jnp.bfloat16)
+    head = jnp.asarray(rng.normal(size=(32, 300)) * 0.2, jnp.bfloat16)
+    labels = rng.integers(0, 300, size=(2, 16)).astype(np.int32)
+    zw = 1e-4
+
+    def objective(x, head):
+        obj, ce, z, _ = head_loss_sums(x, head, jnp.asarray(labels), zw, 8)
+        return obj, (ce, z)
+
+    (obj, (ce, _)), (gx, gh) = jax.jit(jax.value_and_grad(objective, argnums=(0, 1), has_aux=True))(x, head)
+    assert gx.dtype == jnp.bfloat16 and gh.dtype == jnp.bfloat16
+    tx = torch.from_numpy(np.asarray(x.astype(jnp.float32))).double().requires_grad_(True)
+    th = torch.from_numpy(np.asarray(head.astype(jnp.float32))).double().requires_grad_(True)
+    logits = tx @ th
+    t_labels = torch.from_numpy(labels).long()
+    ref_ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 300), t_labels.reshape(-1), reduction="sum")
+    ref = ref_ce + zw * (torch.logsumexp(logits, dim=-1) ** 2).sum()
+    ref.backward()
+    assert float(ce) == pytest.approx(float(ref_ce), rel=1e-5)
+    assert float(obj) == pytest.approx(float(ref), rel=1e-5)
+    for got, want in ((gx, tx.grad), (gh, th.grad)):
+        want = want.numpy()
+        assert np.abs(np.asarray(got.astype(jnp.float32)) - want).max() <= 0.02 * np.abs(want).max()
+
+
 def test_fused_head_loss_chunk_must_divide_sequence():
     x = jnp.zeros((1, 9, 4))
     with pytest.raises(ValueError, match="chunk=4 does not divide the sequence length 9"):
