@@ -18,7 +18,9 @@ Memory model (per device, bytes):
   no remat: x, q/k/v before and after norm/RoPE, attention out, o out, norms, gate, up, silu,
   product, down out (6d + 3q + 4kv + 4ff values per token per layer); "save_dots": only the matmul
   outputs (q + 2kv + 2d + 2ff); "block": only the block input (d), plus one block recomputed;
-- logits: fp32 logits and their gradient for one micro-batch (tokens x padded vocab x 8 bytes).
+- head + loss (``memory_logits_gib``): both trainers run the output head and the loss fused over
+  token chunks (``HEAD_CHUNK_BYTES`` of fp32 logits at a time), keeping until backward the input
+  gradient (tokens x d_model, bf16) and the head's fp32 gradient (d_model x padded vocab x 4 bytes).
 It is an estimate (no allocator fragmentation, no compiler temporaries): keep 10% headroom.
 """
 
@@ -29,7 +31,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from .maths import UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
+from .maths import HEAD_CHUNK_BYTES, UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
 from .recipe import Recipe, RecipeError, batch_layout, load_recipe
 from .spec import ModelSpec
 
@@ -128,7 +130,11 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
     acts = tokens_micro * per_layer * spec.n_layers
     if remat == "block":  # one block recomputed in full during backward
         acts += tokens_micro * _activation_values_per_token_layer(spec, "none") * 2
-    logits = tokens_micro * spec.padded_vocab_size * 8
+    logits = (
+        min(tokens_micro * spec.padded_vocab_size * 4, HEAD_CHUNK_BYTES)
+        + tokens_micro * spec.d_model * 2
+        + spec.d_model * spec.padded_vocab_size * 4
+    )
     total = state + gathered + acts + logits
     hbm = peak.hbm_bytes
     fits = total <= HEADROOM * hbm
@@ -143,8 +149,8 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
             knobs.append("shard the state over more devices (jax.mesh fsdp=-1 / torch.parallel=fsdp)")
         if not knobs:
             knobs.append(
-                "use more devices or a shorter sequence (the fp32 logits of one sequence alone take "
-                f"{seq * spec.padded_vocab_size * 8 / GIB:.1f} GiB; there is no chunked loss or context parallelism yet)"
+                "use more devices or a shorter sequence (one sequence per device is the floor: there is no "
+                "context parallelism yet)"
             )
         advice = "does not fit: " + "; or ".join(knobs)
     fpt = flops_per_token(spec, seq)
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             ("accumulation steps", lambda p: str(p.accumulation_steps)),
             ("memory: state (GiB)", lambda p: f"{p.memory_state_gib:.1f}"),
             ("memory: activations (GiB)", lambda p: f"{p.memory_activations_gib:.1f}"),
-            ("memory: logits (GiB)", lambda p: f"{p.memory_logits_gib:.1f}"),
+            ("memory: head + loss (GiB)", lambda p: f"{p.memory_logits_gib:.1f}"),
             ("memory: total / HBM (GiB)", lambda p: f"{p.memory_total_gib:.1f} / {p.hbm_gib:.0f}"),
             ("fits", lambda p: "yes" if p.fits else "NO"),
             ("step time @ MFU", lambda p: f"{p.step_time_s:.2f}s @ {p.mfu:.0%}"),

@@ -24,12 +24,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from olmo_model.maths import HEAD_CHUNK_BYTES
 
 IGNORE_INDEX = -100
-# Positions per chunk are chosen so that one chunk's float32 logits stay near this many bytes
-# (batch rows x chunk positions x padded vocab x 4): small enough to stay in a CPU's last-level
-# cache / a GPU's memory headroom, large enough that the matmuls stay efficient.
-CHUNK_BYTES = 256 * 2**20
+# One chunk's float32 logits stay near this many bytes (shared with olmo-plan's memory model).
+CHUNK_BYTES = HEAD_CHUNK_BYTES
 
 
 def chunk_positions(batch: int, seq_len: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:

@@ -18,11 +18,11 @@ the sums are computed.
 from __future__ import annotations
 
 import torch
+from olmo_model.maths import HEAD_CHUNK_BYTES
 
 IGNORE_INDEX = -100
-# Tokens per chunk: one chunk's float32 logits stay near this many bytes (tokens x vocab x 4).
-# olmo3-30m on 2 CPU cores (bench/bench_train.py --pieces): 64-256 MiB chunks were fastest.
-CHUNK_BYTES = 256 * 2**20
+# One chunk's float32 logits stay near this many bytes (shared with olmo-plan's memory model).
+CHUNK_BYTES = HEAD_CHUNK_BYTES
 
 
 def chunk_tokens(n_tokens: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
