@@ -9,7 +9,7 @@ logits are as large again. Here one chunk of tokens at a time:
     g = softmax * (1 + 2 z_weight lse) - onehot(label)     (d(ce + z_weight z) / d logits)
     dx_c = g @ W,  dW += g^T @ x_c
 
-in place in the chunk's logits buffer, which is then reused. ``backward`` multiplies the saved
+in place in the chunk's logits buffer (one chunk alive at a time). ``backward`` multiplies the saved
 dx and dW by the incoming gradient of the objective. A step still does exactly the three head
 matmuls (no recomputation), so model FLOPs are unchanged. Without gradients (evaluation), only
 the sums are computed.
