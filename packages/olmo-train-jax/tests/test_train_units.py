@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from olmo_model import get_preset
 from olmo_model.recipe import RecipeError, load_recipe
 from olmo_train_jax import sharding
-from olmo_train_jax.head_loss import head_loss_sums
+from olmo_train_jax.head_loss import chunk_positions, head_loss_sums
 from olmo_train_jax.model import build_model
 from olmo_train_jax.train import decay_mask, make_optimizer, make_step_functions, token_loss_sums
 
@@ -104,6 +104,17 @@ def test_fused_head_loss_bf16_matches_float64_on_the_rounded_inputs():
     for got, want in ((gx, tx.grad), (gh, th.grad)):
         want = want.numpy()
         assert np.abs(np.asarray(got.astype(jnp.float32)) - want).max() <= 0.02 * np.abs(want).max()
+
+
+def test_fused_head_loss_chunk_is_sized_per_device():
+    """~256 MiB of float32 logits per chunk for the rows ONE device holds: olmo3-30m's bench
+    shape (8 x 512, vocab 100352) takes 64 positions (8 x 64 x 100352 x 4 = 205 MB; 128 would be
+    411 MB); a 512-sequence global batch of 8192 tokens over 64 data-parallel devices holds 8 rows
+    per device, so also 64, where sizing by the global batch would give 1-position chunks."""
+    assert chunk_positions(8, 512, 100352) == 64
+    assert chunk_positions(512 // 64, 8192, 100352) == 64
+    assert chunk_positions(512, 8192, 100352) == 1
+    assert chunk_positions(2, 48, 4096) == 48  # tiny shapes: one chunk
 
 
 def test_fused_head_loss_chunk_must_divide_sequence():

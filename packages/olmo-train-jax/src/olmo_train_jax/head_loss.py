@@ -123,17 +123,24 @@ _objective.defvjp(_objective_fwd, _objective_bwd)
 
 
 def head_loss_sums(
-    x: jax.Array, head: jax.Array, labels: jax.Array, z_weight: float, chunk: int | None = None
+    x: jax.Array,
+    head: jax.Array,
+    labels: jax.Array,
+    z_weight: float,
+    chunk: int | None = None,
+    *,
+    batch_shards: int = 1,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(ce + z_weight * z, ce, z, valid tokens) summed over labels != -100, float32.
 
     ``x`` [B, S, d] final-normed hidden states, ``head`` [d, V] in the compute dtype, ``labels``
     [B, S]. Only the first value is differentiable (its gradient is exact, computed chunk by
     chunk); ce and z are reported sums. ``chunk``: positions per chunk, a divisor of S
-    (default: ``chunk_positions``)."""
+    (default: ``chunk_positions`` for the B / ``batch_shards`` rows one device holds, since
+    under jit ``x`` is the global batch and each device computes only its rows' logits)."""
     B, S, _ = x.shape
     if chunk is None:
-        chunk = chunk_positions(B, S, head.shape[-1])
+        chunk = chunk_positions(max(B // batch_shards, 1), S, head.shape[-1])
     if S % chunk:
         raise ValueError(f"head_loss chunk={chunk} does not divide the sequence length {S}")
     labels = labels.astype(jnp.int32)

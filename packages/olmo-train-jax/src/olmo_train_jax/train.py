@@ -161,6 +161,7 @@ def make_step_functions(
     batch_sh = sharding.batch_sharding(mesh)
     routing = recipe.moe.routing if spec.moe is not None else "learned"
     seed_key = jax.random.key(recipe.train.seed)
+    dp = sharding.dp_size(mesh)  # batch rows split over this many devices (head_loss chunking)
 
     def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation, routing_key):
         model = nnx.merge(graphdef, params)
@@ -169,7 +170,7 @@ def make_step_functions(
         )
         # Head + CE + z-loss chunk by chunk, gradient included (head_loss.py): the full
         # [tokens, vocab] logits never exist.
-        objective, ce, z, _ = head_loss_sums(hidden, model.head_weight(), labels, z_weight)
+        objective, ce, z, _ = head_loss_sums(hidden, model.head_weight(), labels, z_weight, batch_shards=dp)
         loss = objective / n_tokens
         if moe_stats is not None:
             # Each micro-step's aux losses cover its global micro-batch; the step's aux term
@@ -237,7 +238,7 @@ def make_step_functions(
     def evaluate(params, input_ids, labels, doc_ids):
         model = nnx.merge(graphdef, params)
         hidden, _ = model.forward_with_aux(input_ids, doc_ids if masking else None, head=False)
-        _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight)
+        _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight, batch_shards=dp)
         return ce, n
 
     batch_in = {k: batch_sh for k in BATCH_KEYS}
