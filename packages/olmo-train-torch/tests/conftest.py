@@ -83,6 +83,17 @@ def train_lines(run_dir: Path) -> list[dict]:
     return [r for r in lines if r["kind"] == "train"]
 
 
+def assert_resumed_bitwise(run_dir: Path, reference: Path, keys: tuple[str, ...], steps: list[int]) -> None:
+    """The resumed run's train lines carry exactly the steps ``steps`` and, for each, the same
+    values of ``keys`` as the uninterrupted reference (== on purpose: same layout, same kernels,
+    restored fp32 state -> same bits)."""
+    want = {r["step"]: r for r in train_lines(reference)}
+    got = train_lines(run_dir)
+    assert [r["step"] for r in got] == steps
+    for r in got:
+        assert [r[k] for k in keys] == [want[r["step"]][k] for k in keys], r["step"]
+
+
 def common_args(mixture: Path, run_dir: Path, *extra: str) -> list[str]:
     """20 steps, a checkpoint at 10 and 20, held-out evaluation at the end only."""
     return [
@@ -121,6 +132,7 @@ class Harness:
     args = staticmethod(common_args)
     check_ok = staticmethod(check_ok)
     train_lines = staticmethod(train_lines)
+    assert_resumed_bitwise = staticmethod(assert_resumed_bitwise)
     refused = staticmethod(refused)
 
 

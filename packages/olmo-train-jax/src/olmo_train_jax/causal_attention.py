@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .precision import matmul_precision
+
 # Query positions per block: a few hundred keeps each block's matmuls efficient; at most
 # MAX_BLOCKS unrolled blocks, so long sequences get longer blocks.
 BLOCK = 256
@@ -45,10 +47,6 @@ def query_block(seq_len: int) -> int:
         if seq_len % b == 0:
             return b
     return seq_len
-
-
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 def _key_range(i: int, block: int, window: int | None) -> tuple[int, int]:
@@ -76,7 +74,8 @@ def _block_mask(i: int, block: int, window: int | None, doc_ids: jax.Array | Non
 def _scores(q_i, k_r, scale, mask):
     # q_i [B, K, G, b, H], k_r [B, K, T, H] -> [B, K, G, b, T] float32
     s = jnp.einsum(
-        "bkgqh,bkth->bkgqt", q_i, k_r, preferred_element_type=jnp.float32, precision=_precision(q_i.dtype)
+        "bkgqh,bkth->bkgqt", q_i, k_r,
+        preferred_element_type=jnp.float32, precision=matmul_precision(q_i.dtype),
     ) * scale
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
@@ -85,7 +84,7 @@ def _forward(q, k, v, doc_ids, window, block):
     """q [B, K, G, S, H], k/v [B, K, S, H] -> (o like q, lse [B, K, G, S] float32)."""
     S, H = q.shape[3], q.shape[4]
     scale = 1.0 / math.sqrt(H)
-    prec = _precision(q.dtype)
+    prec = matmul_precision(q.dtype)
     outs, lses = [], []
     for i in range(S // block):
         start, end = _key_range(i, block, window)
@@ -116,7 +115,7 @@ def _attend_bwd(window, block, residuals, do):
     q, k, v, doc_ids, o, lse = residuals
     S, H = q.shape[3], q.shape[4]
     scale = 1.0 / math.sqrt(H)
-    prec = _precision(q.dtype)
+    prec = matmul_precision(q.dtype)
     # rowsum(do * o): the softmax backward's per-query term, float32.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     dqs = []

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 from olmo_model.maths import HEAD_CHUNK_BYTES
 
+from .precision import matmul_precision
+
 IGNORE_INDEX = -100
 # One chunk's float32 logits stay near this many bytes (shared with olmo-plan's memory model).
 CHUNK_BYTES = HEAD_CHUNK_BYTES
@@ -53,15 +55,10 @@ def _unchunk(a: jax.Array) -> jax.Array:
     return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
-def _precision(dtype) -> jax.lax.Precision:
-    # float32 compute is the parity mode: full float32 matmuls on every backend (as the model).
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
 def _chunk_sums(x_c, head, labels_c):
     """Logits of one chunk and its (CE sum, z sum, lse, valid mask), float32."""
     logits = jnp.einsum(
-        "bcd,dv->bcv", x_c, head, preferred_element_type=jnp.float32, precision=_precision(x_c.dtype)
+        "bcd,dv->bcv", x_c, head, preferred_element_type=jnp.float32, precision=matmul_precision(x_c.dtype)
     )
     valid = labels_c != IGNORE_INDEX
     safe = jnp.where(valid, labels_c, 0)
@@ -101,7 +98,7 @@ def _objective_fwd(x, head, labels, z_weight, chunk):
         g = e * scale
         onehot = (jnp.arange(logits.shape[-1], dtype=safe.dtype) == safe[..., None]) & valid[..., None]
         g = jnp.where(onehot, g - 1.0, g).astype(x_c.dtype)
-        precision = _precision(x_c.dtype)
+        precision = matmul_precision(x_c.dtype)
         dx_c = jnp.einsum("bcv,dv->bcd", g, head, preferred_element_type=jnp.float32, precision=precision)
         dhead = dhead + jnp.einsum("bcd,bcv->dv", x_c, g, preferred_element_type=jnp.float32, precision=precision)
         return (ce_acc + ce, z_acc + z, dhead), dx_c

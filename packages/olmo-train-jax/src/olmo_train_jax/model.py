@@ -56,6 +56,7 @@ from flax import nnx
 from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
 
 from .causal_attention import blocked_causal_attention
+from .precision import matmul_precision
 from .moe import ROUTING_MODES, ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
@@ -319,9 +320,9 @@ class OlmoModel(nnx.Module):
                 x, stats = self._forward(input_ids, doc_ids, routing, routing_key)
         if not head:
             return x, stats
-        precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
         logits = jnp.einsum(
-            "bsd,dv->bsv", x, self.head_weight(), preferred_element_type=jnp.float32, precision=precision
+            "bsd,dv->bsv", x, self.head_weight(), preferred_element_type=jnp.float32,
+            precision=matmul_precision(self.dtype),
         )
         return logits, stats
 
