@@ -2,14 +2,15 @@
 with torch AdamW, side by side in one process, same shape, batch, loss and optimizer maths.
 
     uv run --frozen python packages/olmo-train-jax/bench/bench_train.py
-    uv run --frozen python packages/olmo-train-jax/bench/bench_train.py --preset olmo3-30m --seq 512 --batch 8 --steps 4
+    uv run --frozen python packages/olmo-train-jax/bench/bench_train.py --preset olmo3-30m --seq 512 --batch 8 --steps 6
     uv run --frozen python packages/olmo-train-jax/bench/bench_train.py --pieces   # where the time goes
 
-Each side: one untimed step (JAX compiles there), then the best and the mean of ``--steps``
-timed steps (forward, backward, global-norm clip, AdamW). MFU is each framework's model
-FLOP/s (olmo_model.flops_per_token, sliding-window aware) over the fp32 matmul peak measured
-in THAT framework on this machine (best of a few 2048 x 2048 matmuls). The 1-minute load
-average before and after is printed under the table.
+Each side: one untimed step (JAX compiles there), then ``--steps`` interleaved rounds: a timed
+step of each (forward, backward, global-norm clip, AdamW), each followed by its framework's fp32
+2048 x 2048 matmul peak. CPU-MFU per round is that framework's model FLOP/s
+(olmo_model.flops_per_token, sliding-window aware) over the peak measured next to the step; the
+table gives the median over rounds and the range, and the speed ratio is likewise the median of
+per-round ratios. The 1-minute load average before and after is printed under the table.
 
 ``--pieces`` instead times the parts of a step in both frameworks, interleaved round by round
 (best of ``--steps`` after a warm-up round): output head + loss forward+backward, the layers
@@ -19,7 +20,6 @@ average before and after is printed under the table.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import time
@@ -27,14 +27,16 @@ import time
 import numpy as np
 
 
-def bench_jax(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: np.ndarray) -> dict:
+def jax_step(spec, ids: np.ndarray, labels: np.ndarray):
+    """olmo-train-jax's fused train step (fp32), placed as the trainer places it: a no-argument
+    callable that runs one step and returns its loss."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from olmo_model.recipe import load_recipe
     from olmo_train_jax import sharding
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import make_optimizer, make_step_functions, measure_cpu_matmul_peak
+    from olmo_train_jax.train import make_optimizer, make_step_functions
 
     recipe = load_recipe(None, ["--train.precision=fp32"])
     graphdef, state = nnx.split(build_model(spec, seed=0))
@@ -44,22 +46,18 @@ def bench_jax(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: n
     params_sh = sharding.param_shardings(params, spec, mesh)
     opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
     fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
-    opt_state = jax.jit(tx.init)(params)
+    # Placed with the step's shardings, as the trainer does: no recompile at the second step.
+    carry = [jax.device_put(params, params_sh)]
+    carry.append(jax.jit(tx.init, out_shardings=opt_sh)(carry[0]))
     data = {"input_ids": ids[None], "labels": labels[None], "doc_ids": np.zeros_like(ids)[None]}
     data = {k: jnp.asarray(v) for k, v in data.items()}
     lr = np.float32(1e-3)
 
-    t0 = time.perf_counter()
-    params, opt_state, stats = fns.fused(params, opt_state, data, lr)
-    float(stats["loss"])
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        params, opt_state, stats = fns.fused(params, opt_state, data, lr)
-        float(stats["loss"])
-        times.append(time.perf_counter() - t0)
-    return {"first": first, "times": times, "peak": measure_cpu_matmul_peak(), "loss": float(stats["loss"])}
+    def step() -> float:
+        carry[0], carry[1], stats = fns.fused(carry[0], carry[1], data, lr)
+        return float(stats["loss"])
+
+    return step
 
 
 def torch_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
@@ -75,7 +73,8 @@ def torch_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
     return 2 * size**3 / best
 
 
-def bench_transformers(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: np.ndarray) -> dict:
+def transformers_step(spec, ids: np.ndarray, labels: np.ndarray):
+    """transformers' Olmo3ForCausalLM train step with torch AdamW (same loss, clip, AdamW)."""
     import torch
     from olmo_model import hf_config
     from transformers import Olmo3Config, Olmo3ForCausalLM
@@ -101,15 +100,27 @@ def bench_transformers(spec, seq: int, batch: int, steps: int, ids: np.ndarray, 
         opt.step()
         return float(loss)
 
-    t0 = time.perf_counter()
-    step()
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
+    return step
+
+
+def bench_interleaved(contenders: dict, steps: int) -> dict:
+    """One untimed step each (JAX compiles there), then ``steps`` rounds; in each round every
+    contender runs one timed step and then its framework's matmul peak (best of 2), so a step
+    and the peak it is divided by are measured seconds apart. This machine's own speed drifts
+    (the 2048^3 peak moved 146-280 GFLOP/s within a minute, idle): per-round MFU and per-round
+    ratios cancel that drift where one-after-the-other runs do not."""
+    out = {name: {"times": [], "peaks": []} for name in contenders}
+    for name, (step, _) in contenders.items():
         t0 = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - t0)
-    return {"first": first, "times": times, "peak": torch_matmul_peak(), "loss": loss}
+        step()
+        out[name]["first"] = time.perf_counter() - t0
+    for _ in range(steps):
+        for name, (step, peak) in contenders.items():
+            t0 = time.perf_counter()
+            out[name]["loss"] = step()
+            out[name]["times"].append(time.perf_counter() - t0)
+            out[name]["peaks"].append(peak())
+    return out
 
 
 def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels: np.ndarray) -> dict:
@@ -218,7 +229,7 @@ def main() -> None:
     parser.add_argument("--preset", default="olmo3-30m")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--pieces", action="store_true", help="time the parts of a step instead")
     args = parser.parse_args()
 
@@ -244,36 +255,40 @@ def main() -> None:
         table.add_column("best s", justify="right")
         for name, t in best.items():
             table.add_row(name, f"{t:.2f}")
-        Console().print(table)
+        Console(width=200).print(table)
         print(f"1-minute load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
         return
-    results = {"olmo-train-jax (jit)": bench_jax(spec, args.seq, args.batch, args.steps, ids, labels)}
-    gc.collect()
-    results["transformers Olmo3ForCausalLM (eager)"] = bench_transformers(
-        spec, args.seq, args.batch, args.steps, ids, labels
-    )
+    from olmo_train_jax.train import measure_cpu_matmul_peak
+
+    contenders = {
+        "olmo-train-jax (jit)": (jax_step(spec, ids, labels), lambda: measure_cpu_matmul_peak(repeats=2)),
+        "transformers Olmo3ForCausalLM (eager)": (
+            transformers_step(spec, ids, labels), lambda: torch_matmul_peak(repeats=2)
+        ),
+    }
+    results = bench_interleaved(contenders, args.steps)
+    base_name = "transformers Olmo3ForCausalLM (eager)"
+    base_times = np.asarray(results[base_name]["times"])
 
     window = spec.sliding_window if spec.sliding_window and spec.sliding_window < args.seq else "none (>= seq)"
     table = Table(
         title=f"{args.preset} train step, seq {args.seq}, batch {args.batch}, fp32, window {window}, "
-        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})"
+        f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), {args.steps} interleaved rounds"
     )
-    for col in ("implementation", "first step s", "best step s", "mean step s", "tokens/s", "CPU-MFU", "ratio"):
+    for col in ("implementation", "first step s", "best step s", "median step s", "tokens/s (best)",
+                "CPU-MFU median (range)", "matmul peak GFLOP/s", "ratio median (range)"):
         table.add_column(col, justify="right" if col != "implementation" else "left")
-    base = None
-    rows = []
     for name, r in results.items():
-        best = min(r["times"])
-        tps = tokens / best
-        rows.append((name, r, best, tps))
-    base = rows[-1][3]
-    for name, r, best, tps in rows:
-        mfu = fpt * tps / r["peak"]
+        times, peaks = np.asarray(r["times"]), np.asarray(r["peaks"])
+        mfu = fpt * tokens / times / peaks  # per round: the step over the peak measured next to it
+        ratio = base_times / times  # per round: same round, same machine state
         table.add_row(
-            name, f"{r['first']:.2f}", f"{best:.2f}", f"{np.mean(r['times']):.2f}", f"{tps:,.0f}",
-            f"{mfu:.1%} of {r['peak'] / 1e9:.1f} GFLOP/s", f"{tps / base:.2f}x",
+            name, f"{r['first']:.2f}", f"{times.min():.2f}", f"{np.median(times):.2f}", f"{tokens / times.min():,.0f}",
+            f"{np.median(mfu):.1%} ({mfu.min():.1%}-{mfu.max():.1%})",
+            f"{peaks.min() / 1e9:.0f}-{peaks.max() / 1e9:.0f}",
+            f"{np.median(ratio):.2f}x ({ratio.min():.2f}-{ratio.max():.2f})",
         )
-    Console().print(table)
+    Console(width=200).print(table)
     # Other jobs on a shared machine slow both sides; the load says how far to trust the times.
     print(f"1-minute load average: {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
 

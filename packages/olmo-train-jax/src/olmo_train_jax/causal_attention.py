@@ -119,8 +119,10 @@ def _attend_bwd(window, block, residuals, do):
     # rowsum(do * o): the softmax backward's per-query term, float32.
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     dqs = []
-    dk = jnp.zeros(k.shape, jnp.float32)
-    dv = jnp.zeros(v.shape, jnp.float32)
+    # dk, dv accumulate transposed ([B, K, H, S]): the key axis stays the matmuls' output columns,
+    # so XLA:CPU transposes the thin q / do blocks instead of the [b, keys] probabilities.
+    dk = jnp.zeros(k.shape[:2] + k.shape[:1:-1], jnp.float32)
+    dv = jnp.zeros(v.shape[:2] + v.shape[:1:-1], jnp.float32)
     for i in range(S // block):
         start, end = _key_range(i, block, window)
         rows = slice(i * block, end)
@@ -128,17 +130,17 @@ def _attend_bwd(window, block, residuals, do):
         k_r, v_r = k[:, :, start:end], v[:, :, start:end]
         s = _scores(q_i, k_r, scale, _block_mask(i, block, window, doc_ids))
         p = jnp.exp(s - lse[:, :, :, rows, None])
-        dv = dv.at[:, :, start:end].add(
-            jnp.einsum("bkgqt,bkgqh->bkth", p.astype(do.dtype), do_i, preferred_element_type=jnp.float32, precision=prec)
+        dv = dv.at[:, :, :, start:end].add(
+            jnp.einsum("bkgqh,bkgqt->bkht", do_i, p.astype(do.dtype), preferred_element_type=jnp.float32, precision=prec)
         )
         dp = jnp.einsum("bkgqh,bkth->bkgqt", do_i, v_r, preferred_element_type=jnp.float32, precision=prec)
         ds = (p * (dp - delta[:, :, :, rows, None]) * scale).astype(q.dtype)
         dqs.append(jnp.einsum("bkgqt,bkth->bkgqh", ds, k_r, preferred_element_type=jnp.float32, precision=prec))
-        dk = dk.at[:, :, start:end].add(
-            jnp.einsum("bkgqt,bkgqh->bkth", ds, q_i, preferred_element_type=jnp.float32, precision=prec)
+        dk = dk.at[:, :, :, start:end].add(
+            jnp.einsum("bkgqh,bkgqt->bkht", q_i, ds, preferred_element_type=jnp.float32, precision=prec)
         )
     dq = jnp.concatenate(dqs, axis=3).astype(q.dtype)
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+    return dq, dk.swapaxes(2, 3).astype(k.dtype), dv.swapaxes(2, 3).astype(v.dtype), None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
