@@ -9,15 +9,15 @@ i (positions [i b, (i+1) b)) scores only keys [start_i, (i+1) b), where start_i 
 layers and i b - (window - 1) for sliding layers; the diagonal block (and a window's edge) is
 masked elementwise. Per block:
 
-    forward:  s = q_i k^T / sqrt(H); lse = logsumexp(s); o_i = softmax(s) v
+    forward:  s = q_i k^T / sqrt(H); e = exp(s - max s); o_i = (e v) / rowsum(e); lse = logsumexp(s)
     backward: p = exp(s - lse); dv += p^T do_i; dp = do_i v^T; ds = p (dp - rowsum(do_i o_i));
               dq_i = ds k / sqrt(H); dk += ds^T q_i / sqrt(H)
 
 Residuals are q, k, v, o and lse ([B, N, S] float32), never an S x S array. The loop over
 blocks is unrolled (block shapes differ), so the block is chosen to keep S / block small
 (``query_block``). GQA: the G = N / K query heads of one key head share its keys.
-Scores, softmax and lse in float32; probabilities are cast to v's dtype for the value matmuls
-(as XLA's dot_product_attention does).
+Scores, softmax and lse in float32; (unnormalised) probabilities are cast to v's dtype for the
+value matmuls (as XLA's dot_product_attention does).
 """
 
 from __future__ import annotations
@@ -93,10 +93,12 @@ def _forward(q, k, v, doc_ids, window, block):
         m = jnp.max(s, axis=-1, keepdims=True)
         e = jnp.exp(s - m)
         l = jnp.sum(e, axis=-1, keepdims=True)
-        p = (e / l).astype(v.dtype)
-        outs.append(
-            jnp.einsum("bkgqt,bkth->bkgqh", p, v[:, :, start:end], preferred_element_type=jnp.float32, precision=prec)
+        # Normalised after the value matmul ([b, H] per query, not [b, keys]): one pass fewer.
+        pv = jnp.einsum(
+            "bkgqt,bkth->bkgqh", e.astype(v.dtype), v[:, :, start:end], preferred_element_type=jnp.float32,
+            precision=prec,
         )
+        outs.append(pv / l)
         lses.append((m + jnp.log(l))[..., 0])
     return jnp.concatenate(outs, axis=3).astype(q.dtype), jnp.concatenate(lses, axis=3)
 
