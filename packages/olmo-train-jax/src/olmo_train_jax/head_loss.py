@@ -89,9 +89,7 @@ def _objective(x, head, labels, z_weight, chunk):
 
 
 def _objective_fwd(x, head, labels, z_weight, chunk):
-    def body(carry, xs):
-        ce_acc, z_acc, dhead = carry
-        x_c, labels_c = xs
+    def chunk_grads(x_c, labels_c):
         logits, e, s, lse, valid, safe, ce, z = _chunk_sums(x_c, head, labels_c)
         # d(ce + w z)/d logits = softmax (1 + 2 w lse) - onehot(label), zero where ignored.
         scale = jnp.where(valid, 1.0 + 2.0 * z_weight * lse, 0.0)[..., None] / s
@@ -100,12 +98,20 @@ def _objective_fwd(x, head, labels, z_weight, chunk):
         g = jnp.where(onehot, g - 1.0, g).astype(x_c.dtype)
         precision = matmul_precision(x_c.dtype)
         dx_c = jnp.einsum("bcv,dv->bcd", g, head, preferred_element_type=jnp.float32, precision=precision)
-        dhead = dhead + jnp.einsum("bcd,bcv->dv", x_c, g, preferred_element_type=jnp.float32, precision=precision)
-        return (ce_acc + ce, z_acc + z, dhead), dx_c
+        dhead_c = jnp.einsum("bcd,bcv->dv", x_c, g, preferred_element_type=jnp.float32, precision=precision)
+        return ce, z, dhead_c, dx_c
 
-    zero = (jnp.float32(0), jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
-    (ce, z, dhead), dx = jax.lax.scan(body, zero, (_chunks(x, chunk), _chunks(labels, chunk)))
-    dx = _unchunk(dx).astype(x.dtype)
+    def body(carry, xs):
+        ce_acc, z_acc, dhead = carry
+        ce, z, dhead_c, dx_c = chunk_grads(*xs)
+        return (ce_acc + ce, z_acc + z, dhead + dhead_c), dx_c
+
+    # The first chunk starts the sums (no zero-filled [d, V] buffer and no add of it: at 100k
+    # vocab both are whole passes over the head's size); the scan adds the others.
+    x_chunks, label_chunks = _chunks(x, chunk), _chunks(labels, chunk)
+    ce, z, dhead, dx_first = chunk_grads(x_chunks[0], label_chunks[0])
+    (ce, z, dhead), dx_rest = jax.lax.scan(body, (ce, z, dhead), (x_chunks[1:], label_chunks[1:]))
+    dx = _unchunk(jnp.concatenate([dx_first[None], dx_rest])).astype(x.dtype)
     return (ce + z_weight * z, ce, z), (dx, dhead.astype(head.dtype))
 
 

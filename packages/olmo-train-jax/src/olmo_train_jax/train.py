@@ -185,27 +185,26 @@ def make_step_functions(
         grad_fn = jax.grad(micro_loss, has_aux=True)
         step_key = jax.random.fold_in(seed_key, step)
 
-        def micro_step(carry, micro):
-            acc, ce_sum, z_sum, moe_sum = carry
+        def micro_grads(micro):
             # Random routing's scores: (seed, step, micro-step) here, the layer in the model.
             routing_key = jax.random.fold_in(step_key, micro["index"]) if routing == "random" else None
             g, (ce, z, moe_stats) = grad_fn(
                 params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens, accumulation, routing_key
             )
+            return g, ce, z, moe_stats
+
+        def micro_step(carry, micro):
+            acc, ce_sum, z_sum, moe_sum = carry
+            g, ce, z, moe_stats = micro_grads(micro)
             if moe_stats is not None:
                 moe_sum = jax.tree.map(jnp.add, moe_sum, moe_stats)
             return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z, moe_sum), None
 
-        zero = jax.tree.map(jnp.zeros_like, params)
-        moe_zero = None
-        if spec.moe is not None:
-            counts = jnp.zeros(spec.moe.n_experts, jnp.int32)
-            moe_zero = MoEStats(jnp.float32(0), jnp.float32(0), counts, jnp.int32(0))
-        (grads, ce, z, moe_sum), _ = jax.lax.scan(
-            micro_step,
-            (zero, jnp.float32(0), jnp.float32(0), moe_zero),
-            {**batch, "index": jnp.arange(accumulation, dtype=jnp.int32)},
-        )
+        # The first micro-step starts the sums (no zero-filled parameter-sized accumulator and
+        # no add of it: bitwise the same sums); the scan adds the other micro-steps.
+        micros = {**batch, "index": jnp.arange(accumulation, dtype=jnp.int32)}
+        first = micro_grads(jax.tree.map(lambda a: a[0], micros))
+        (grads, ce, z, moe_sum), _ = jax.lax.scan(micro_step, first, jax.tree.map(lambda a: a[1:], micros))
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)
         stats = {
             "loss": (ce + z_weight * z) / n_tokens,
