@@ -200,11 +200,22 @@ def make_step_functions(
                 moe_sum = jax.tree.map(jnp.add, moe_sum, moe_stats)
             return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z, moe_sum), None
 
-        # The first micro-step starts the sums (no zero-filled parameter-sized accumulator and
-        # no add of it: bitwise the same sums); the scan adds the other micro-steps.
         micros = {**batch, "index": jnp.arange(accumulation, dtype=jnp.int32)}
-        first = micro_grads(jax.tree.map(lambda a: a[0], micros))
-        (grads, ce, z, moe_sum), _ = jax.lax.scan(micro_step, first, jax.tree.map(lambda a: a[1:], micros))
+        if accumulation == 1:
+            # No accumulator: a zero-filled parameter-sized buffer plus an add of it are two
+            # passes over every parameter's size for nothing (bitwise the same sums).
+            grads, ce, z, moe_sum = micro_grads(jax.tree.map(lambda a: a[0], micros))
+        else:
+            # A scan from zeros traces the model once (peeling the first micro-step would
+            # compile it twice).
+            zero = jax.tree.map(jnp.zeros_like, params)
+            moe_zero = None
+            if spec.moe is not None:
+                counts = jnp.zeros(spec.moe.n_experts, jnp.int32)
+                moe_zero = MoEStats(jnp.float32(0), jnp.float32(0), counts, jnp.int32(0))
+            (grads, ce, z, moe_sum), _ = jax.lax.scan(
+                micro_step, (zero, jnp.float32(0), jnp.float32(0), moe_zero), micros
+            )
         grads = jax.lax.with_sharding_constraint(grads, params_sharding)
         stats = {
             "loss": (ce + z_weight * z) / n_tokens,
