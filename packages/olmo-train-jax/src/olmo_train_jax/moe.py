@@ -197,10 +197,16 @@ def grouped_swiglu(xs: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *, m
         xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
     if jax.default_backend() == "cpu":
         return tiled_swiglu(xs, ExpertWeights(gate, up, down), group_sizes, mxfp8=mxfp8)
-    hidden = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+    return _swiglu(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), xs, ExpertWeights(gate, up, down), mxfp8)
+
+
+def _swiglu(matmul, x: jax.Array, w: ExpertWeights, mxfp8: bool) -> jax.Array:
+    """silu(x @ gate) * (x @ up) @ down with ``matmul`` doing the grouping (ragged or tiled);
+    ``mxfp8`` also rounds the hidden activations, the down matmul's left operand."""
+    hidden = jax.nn.silu(matmul(x, w.gate)) * matmul(x, w.up)
     if mxfp8:
         hidden = _mx(hidden, -1)
-    return jax.lax.ragged_dot(hidden, down, group_sizes)
+    return matmul(hidden, w.down)
 
 
 # Rows per tile of ``tiled_swiglu``. One constant, not a function of the row or expert count:
@@ -245,10 +251,7 @@ def tiled_swiglu(
     def tiles_matmul(a, weight):
         return jnp.einsum("tri,tio->tro", a, weight[tile_group])
 
-    hidden = jax.nn.silu(tiles_matmul(x_tiles, w.gate)) * tiles_matmul(x_tiles, w.up)
-    if mxfp8:
-        hidden = _mx(hidden, -1)
-    out = tiles_matmul(hidden, w.down).reshape(n_tiles * tile, -1)
+    out = _swiglu(tiles_matmul, x_tiles, w, mxfp8).reshape(n_tiles * tile, -1)
     return jnp.where(valid[:, None], out[jnp.minimum(dest, n_tiles * tile - 1)], 0).astype(xs.dtype)
 
 
