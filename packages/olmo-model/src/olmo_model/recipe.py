@@ -114,6 +114,8 @@ class JaxSection(_Section):
 
     mesh: dict[str, int] = Field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
     remat: Literal["none", "block", "save_dots"] = "none"
+    # auto: cuDNN's fused flash attention on GPU (bf16, no document masking), XLA elsewhere
+    attention: Literal["auto", "xla", "cudnn"] = "auto"
     distributed: bool = False  # call jax.distributed.initialize() (multi-host)
 
     @field_validator("mesh")

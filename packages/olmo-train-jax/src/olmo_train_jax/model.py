@@ -35,7 +35,9 @@ above the diagonal or outside the window, a flash-style backward; never an S x S
 sliding window W much shorter than S runs the blocked local path: query blocks of W positions
 attend to the keys of their own and the previous block under one static band mask, O(S W)
 memory and FLOPs instead of O(S^2). Document masking (``doc_ids``) restricts each query block
-to its document on either path.
+to its document on either path. On GPU with bf16 activations and no document mask,
+``jax.attention=auto`` (the default) runs cuDNN's fused flash attention instead (``cudnn``
+forces it, ``xla`` forbids it); every other case runs the XLA paths above.
 
 Linear weights are (in, out) kernels, the JAX convention; ``hf_adapter`` transposes to and
 from transformers' (out, in). Parameters live in ``param_dtype`` (float32 master weights);
@@ -220,16 +222,48 @@ def _blocked_local_attention(q, k, v, window: int, doc_ids: jax.Array | None) ->
     return out.reshape(B, n_blocks * window, N, H)[:, :S]
 
 
-def attention(q, k, v, window: int | None, doc_ids: jax.Array | None = None) -> jax.Array:
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+def _cudnn_attention_problem(q: jax.Array, doc_ids: jax.Array | None) -> str | None:
+    """Why cuDNN's fused attention cannot run this call (None: it can)."""
+    if jax.default_backend() != "gpu":
+        return f"the backend is {jax.default_backend()}, not gpu"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"activations are {q.dtype} (cuDNN's fused attention takes bf16/fp16: train.precision=bf16)"
+    if doc_ids is not None:
+        return "document masking is on (train.document_masking; cuDNN's path here has no segment mask)"
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]} is not a multiple of 8 up to 256"
+    return None
+
+
+def attention(
+    q, k, v, window: int | None, doc_ids: jax.Array | None = None, impl: str = "xla"
+) -> jax.Array:
     """Causal attention of one layer, its kind static: q [B, S, N, H], k/v [B, S, K, H] (GQA
     when K < N), ``window`` the keys a query sees including itself (None: global), ``doc_ids``
     [B, S] restricts each query to its document. Returns [B, S, N, H].
 
-    Global layers and short-sequence sliding layers: ``blocked_causal_attention`` (query blocks
-    that skip the keys above the diagonal / outside the window, a backward that recomputes the
-    probabilities; never an S x S array). Sliding layers with S >= ~4W: the O(S W) blocked local
-    path. Both are plain XLA; a fused kernel (cuDNN, Splash) is not wired in yet."""
+    ``impl`` (the recipe's ``jax.attention``): ``cudnn`` runs cuDNN's fused flash attention
+    (``jax.nn.dot_product_attention(implementation="cudnn")``, causal with a left window for
+    sliding layers; GPU, bf16/fp16, no document mask); ``auto`` takes it where those hold and
+    the XLA path otherwise; ``xla``: global layers and short-sequence sliding layers run
+    ``blocked_causal_attention`` (query blocks that skip the keys above the diagonal / outside
+    the window, a backward that recomputes the probabilities; never an S x S array); sliding
+    layers with S >= ~4W the O(S W) blocked local path. Plain XLA compiles for any backend."""
     S = q.shape[1]
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"jax.attention='{impl}' is unknown; use one of: {', '.join(ATTENTION_IMPLS)}")
+    if impl != "xla":
+        problem = _cudnn_attention_problem(q, doc_ids)
+        if problem is not None and impl == "cudnn":
+            raise ValueError(f"jax.attention=cudnn cannot run here: {problem}; set --jax.attention=auto or xla")
+        if problem is None:
+            local = None if window is None or window >= S else (window - 1, 0)
+            return jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, local_window_size=local, implementation="cudnn"
+            )
     if window is not None and window < S and _blocking_pays(S, window):
         return _blocked_local_attention(q, k, v, window, doc_ids)
     return blocked_causal_attention(q, k, v, window, doc_ids)
@@ -291,6 +325,7 @@ class OlmoModel(nnx.Module):
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         remat: str = "none",
+        attention: str = "auto",
     ):
         if spec.moe is not None and not all(spec.is_moe_layer(i) for i in range(spec.n_layers)):
             # One stacked layout means one parameter layout for every layer.
@@ -304,6 +339,9 @@ class OlmoModel(nnx.Module):
         self.param_dtype = jnp.dtype(param_dtype)
         self.dtype = jnp.dtype(dtype)
         self.remat = remat
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention='{attention}' is unknown; use one of: {', '.join(ATTENTION_IMPLS)}")
+        self.attention = attention
         self.experts_fn: ExpertsFn = local_experts
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
@@ -423,7 +461,7 @@ class OlmoModel(nnx.Module):
         if spec.qk_norm == "per_head":
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        attn = attention(q, k, v, window, doc_ids)
+        attn = attention(q, k, v, window, doc_ids, self.attention)
         h = x + rms_norm(proj(attn.reshape(B, S, spec.q_width), "o_proj"), w["post_attention_norm"], eps)
 
         if spec.moe is None:
@@ -447,7 +485,10 @@ def build_model(
     param_dtype=jnp.float32,
     dtype=jnp.float32,
     remat: str = "none",
+    attention: str = "auto",
 ) -> OlmoModel:
     """A freshly initialised model: truncated normal (std ``init_std``, cut at
     +-``init_cutoff`` std) for every linear and the embedding, ones for the norms."""
-    return OlmoModel(spec, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype, remat=remat)
+    return OlmoModel(
+        spec, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype, remat=remat, attention=attention
+    )

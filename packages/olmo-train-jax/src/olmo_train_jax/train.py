@@ -408,7 +408,8 @@ def train(recipe: Recipe) -> Path:
     prepare_run_dir(recipe, spec, is_main)
 
     compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
-    make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat)
+    make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat,
+                         attention=recipe.jax.attention)
     abstract_model = nnx.eval_shape(make_model)
     if spec.moe is not None:
         # Routed experts per device under shard_map (all-to-all over the expert axis).

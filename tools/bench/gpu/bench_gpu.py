@@ -1,0 +1,494 @@
+"""Both trainers' train steps on one GPU, side by side with OLMo-core, and MoE block scaling.
+
+    python tools/bench/gpu/bench_gpu.py all --out DIR [--deadline-s 450]   # everything, one table
+    python tools/bench/gpu/bench_gpu.py torch --preset olmo3-1b --seq 4096 --batch 8
+    python tools/bench/gpu/bench_gpu.py jax --preset olmo3-1b --seq 4096 --batch 8 --attention auto
+    python tools/bench/gpu/bench_gpu.py moe-torch|moe-jax --experts 8 32 64 128
+    python tools/bench/gpu/bench_gpu.py env
+
+tools/bench/gpu/run_h200.sh is the one command the device machine runs (packages on PYTHONPATH,
+carried wheels installed). Every contender runs in its own process (JAX and torch never share
+the card), prints one JSON line, and ``all`` gathers them into DIR/results.jsonl and a table.
+
+Train step (``torch``, ``jax``, OLMo-core): the olmo3-1b shape (DESIGN.md), sequence 4096, batch 8
+sequences (32,768 tokens per step), bf16 compute with fp32 master weights and fp32 AdamW state,
+the same random token batches for every contender, one optimizer step = forward, loss (CE + z-loss),
+backward, global-norm clip 1.0, AdamW. Each is run the way its trainer runs a single GPU:
+
+- olmo-train-torch: ``train.train_step`` on a 1-rank NCCL group (as ``torchrun --nproc_per_node 1``
+  launches it), so ``torch.parallel=fsdp`` wraps each block with FSDP2 and
+  MixedPrecisionPolicy(bf16 params, fp32 reduce); ``--compile`` compiles each block
+  (``torch.compile: true``); fused AdamW; SDPA attention (causal at this length: window 4096).
+- olmo-train-jax: ``train.make_step_functions`` (one jitted step, donated params and state) on a
+  one-device mesh; attention per ``jax.attention`` (auto = cuDNN's fused flash attention).
+- OLMo-core: tools/bench/olmo_core/train_peer.py ``--device cuda --precision bf16`` (its own
+  ``TransformerConfig.olmo3_1B``, FSDP bf16, ``apply_compile``, SkipStepAdamW), when its wheel
+  is carried.
+
+Timing: ``--warmup`` untimed steps (compilation), then ``--steps`` timed steps, each ended by a
+device synchronisation (the loss is read back); the table gives the median step. Model FLOPs per
+token are olmo_model.flops_per_token (6 x matmul parameters + causal attention, the trainers' own
+MFU numerator); MFU is given against the datasheet bf16 dense peak (989 TFLOP/s for H100/H200, the
+trainers' metric) and against the bf16 8192^3 matmul measured by ``env`` on the same card.
+
+MoE (``moe-torch``, ``moe-jax``): forward + backward of one MoE block (d_model 2048, top-4 of E
+routed SwiGLU experts of width 1024 and one shared expert of width 1024, bf16, 16,384 tokens) as
+E grows 8 -> 128: active parameters per token stay constant, so a perfect implementation keeps
+tokens/s flat (the report-2 anchor: < 5% loss from 8 to 128 experts, measured on 8 B300 across a
+whole model; this is one block on one H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+PEER = ROOT / "tools" / "bench" / "olmo_core" / "train_peer.py"
+DATASHEET_BF16 = 989e12  # H100/H200 SXM dense bf16 (olmo_model.maths peak table)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def emit(result: dict) -> None:
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def token_batches(vocab: int, n: int, batch: int, seq: int) -> np.ndarray:
+    """[n, batch, seq + 1] int32, the same for every contender."""
+    return np.random.default_rng(0).integers(2, vocab, size=(n, batch, seq + 1), dtype=np.int32)
+
+
+def summarize(times: list[float], first: list[float], tokens: int, fpt: float, losses: list[float]) -> dict:
+    step = statistics.median(times)
+    tps = tokens / step
+    return {
+        "step_s": step, "step_min_s": min(times), "step_max_s": max(times), "warmup_s": first,
+        "tokens_per_s_per_device": tps, "model_tflops": fpt * tps / 1e12,
+        "mfu_datasheet": fpt * tps / DATASHEET_BF16, "losses": losses,
+    }
+
+
+# ---- env -------------------------------------------------------------------------------------
+
+def cmd_env(args) -> None:
+    import torch
+
+    out = {"name": "env", "torch": torch.__version__, "device": torch.cuda.get_device_name(),
+           "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    try:
+        import jax
+
+        out["jax"] = jax.__version__
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["jax"] = f"import failed: {e}"
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    out["matmul_bf16_tflops"] = 2 * n**3 / statistics.median(times) / 1e12
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    out["copy_tb_per_s"] = 5 * 2 * x.numel() / (time.perf_counter() - t0) / 1e12
+    emit(out)
+
+
+# ---- olmo-train-torch ------------------------------------------------------------------------
+
+def cmd_torch(args) -> None:
+    # A 1-rank process group, as `torchrun --nproc_per_node 1` gives: the trainer's GPU path (FSDP2).
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import torch
+    from olmo_model import flops_per_token, get_preset
+    from olmo_model.recipe import batch_layout, load_recipe
+    from olmo_model.runlog import SpikeGuard
+    from olmo_train_torch import build_model
+    from olmo_train_torch.parallelize import build_mesh, init_distributed
+    from olmo_train_torch.train import make_optimizer, prepare_model, train_step
+
+    spec = get_preset(args.preset)
+    recipe = load_recipe(None, [
+        f"--model={args.preset}", "--train.precision=bf16", "--optim.lr=1e-4", "--torch.parallel=fsdp",
+        f"--torch.compile={str(args.compile).lower()}",
+        f"--torch.activation_checkpointing={str(args.ac).lower()}",
+    ])
+    d = init_distributed("auto")
+    mesh = build_mesh(d, recipe.torch)
+    torch.manual_seed(0)
+    model = prepare_model(build_model(spec, seed=0, device=d.device), recipe, d, mesh, None)
+    optimizer = make_optimizer(model, recipe, d.device)
+    layout, guard = batch_layout(args.batch, 1), SpikeGuard()
+    data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
+
+    def step(tokens: np.ndarray) -> float:
+        b = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "doc_ids": np.zeros_like(tokens[:, 1:])}
+        stats = train_step(model, optimizer, b, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-4, guard=guard)
+        _sync()
+        return float(stats.loss)
+
+    first, times, losses = _run_steps(step, data, args.warmup, args.max_seconds)
+    res = summarize(times, first, args.batch * args.seq, flops_per_token(spec, args.seq), losses)
+    res.update(name=f"olmo-train-torch fsdp{' compile' if args.compile else ' eager'}{' ac' if args.ac else ''}",
+               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
+               torch=torch.__version__)
+    emit(res)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_steps(step, data: np.ndarray, warmup: int, max_seconds: float | None):
+    first, times, losses = [], [], []
+    for i, tokens in enumerate(data):
+        t0 = time.perf_counter()
+        loss = step(tokens)
+        dt = time.perf_counter() - t0
+        losses.append(round(loss, 5))
+        (first if i < warmup else times).append(dt)
+        print(f"step {i + 1}: {dt:.3f} s loss {loss:.4f}", file=sys.stderr, flush=True)
+        if max_seconds and i >= warmup and sum(first) + sum(times) > max_seconds:
+            break
+    return first, times, losses
+
+
+# ---- olmo-train-jax --------------------------------------------------------------------------
+
+def cmd_jax(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from olmo_model import flops_per_token, get_preset
+    from olmo_model.recipe import load_recipe
+    from olmo_train_jax import sharding
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.train import make_optimizer, make_step_functions
+
+    spec = get_preset(args.preset)
+    recipe = load_recipe(None, [f"--train.precision={args.precision}", f"--jax.remat={args.remat}",
+                                f"--jax.attention={args.attention}"])
+    dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
+    model = build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    del model, state
+    mesh = sharding.make_mesh({"data": -1})
+    tx = make_optimizer(params, recipe)
+    params_sh = sharding.param_shardings(params, spec, mesh)
+    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
+    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
+    carry = [jax.device_put(params, params_sh)]
+    del params
+    carry.append(jax.jit(tx.init, out_shardings=opt_sh)(carry[0]))
+    data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
+    lr = np.float32(1e-4)
+
+    def step(tokens: np.ndarray) -> float:
+        b = {"input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:],
+             "doc_ids": np.zeros_like(tokens[None, :, 1:])}
+        b = {k: jnp.asarray(v) for k, v in b.items()}
+        carry[0], carry[1], stats = fns.fused(carry[0], carry[1], b, lr)
+        return float(stats["loss"])
+
+    first, times, losses = _run_steps(step, data, args.warmup, args.max_seconds)
+    res = summarize(times, first, args.batch * args.seq, flops_per_token(spec, args.seq), losses)
+    mem = jax.devices()[0].memory_stats() or {}
+    res.update(name=f"olmo-train-jax attention={args.attention} remat={args.remat}"
+               + ("" if args.precision == "bf16" else f" {args.precision}"), jax=jax.__version__,
+               peak_mem_gib=mem.get("peak_bytes_in_use", 0) / 2**30)
+    emit(res)
+
+
+# ---- OLMo-core -------------------------------------------------------------------------------
+
+def run_olmo_core(args, tmp: Path, timeout: float) -> dict:
+    from olmo_model import flops_per_token, get_preset, param_counts
+
+    spec = get_preset(args.preset)
+    spec_file, batch_file = tmp / "spec.json", tmp / "batches.npy"
+    spec_file.write_text(spec.model_dump_json())
+    np.save(batch_file, token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq))
+    cmd = [sys.executable, str(PEER), "--spec", str(spec_file), "--param-total", str(param_counts(spec).total),
+           "--batches", str(batch_file), "--modes", "compile", "--device", "cuda" if _cuda() else "cpu", "--precision", "bf16",
+           "--max-seconds", str(args.max_seconds)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    (tmp / "olmo_core.log").write_text(proc.stdout + proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"name": "OLMo-core compile", "error": f"exit {proc.returncode}: {tail[:300]}"}
+    peer = json.loads(lines[-1])
+    r = peer["modes"]["compile"]
+    warm = args.warmup - 1  # train_peer times its first step apart; the next warm-up ones are in step_times
+    times = r["step_times"][warm:]
+    res = summarize(times, [r["first_step_s"], *r["step_times"][:warm]], args.batch * args.seq,
+                    flops_per_token(spec, args.seq), [])
+    res.update(name="OLMo-core compile", olmo_core=peer["olmo_core"], torch=peer["torch"], config=r["config"],
+               peak_mem_gib=r.get("peak_memory_gib"), stopped_early=r.get("stopped_early"))
+    return res
+
+
+# ---- MoE block scaling -----------------------------------------------------------------------
+
+def moe_flops_per_token(d: int, hidden: int, top_k: int, shared_hidden: int, n_experts: int) -> float:
+    """fwd + bwd matmul FLOPs of one MoE block per token: 3 SwiGLU matmuls for each of the top-k
+    routed experts and the shared expert, and the router."""
+    return 6 * (3 * d * hidden * top_k + 3 * d * shared_hidden + d * n_experts)
+
+
+def cmd_moe_torch(args) -> None:
+    import torch
+    from olmo_model import MoESpec
+    from olmo_train_torch.moe import MoE, moe_aux_losses
+
+    device = "cuda" if _cuda() else "cpu"
+    x = torch.randn(args.tokens, args.d_model, device=device, dtype=torch.bfloat16)
+    rows = []
+    for routing in args.routing:
+        for e in args.experts:
+            torch.manual_seed(0)
+            block = MoE(MoESpec(n_experts=e, top_k=4, expert_hidden=args.hidden, n_shared_experts=1),
+                        args.d_model, 0).to(device)
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0, 0.02)
+            block = block.to(torch.bfloat16)
+            block.routing = routing
+
+            def step():
+                out, stats = block(x)
+                aux = moe_aux_losses([stats])
+                (out.float().square().mean() + 0.01 * aux.load_balancing).backward()
+
+            rows.append(_time_moe(step, _sync, args, e, routing))
+            del block
+    emit({"name": "moe olmo-train-torch", "torch": torch.__version__, "rows": rows})
+
+
+def cmd_moe_jax(args) -> None:
+    import jax
+    import jax.numpy as jnp
+    from olmo_model import MoESpec
+    from olmo_train_jax.moe import ExpertWeights, local_experts, moe_block
+
+    d, h = args.d_model, args.hidden
+    x = jax.random.normal(jax.random.key(1), (args.tokens, d), jnp.bfloat16)
+    rows = []
+    for routing in args.routing:
+        for e in args.experts:
+            moe = MoESpec(n_experts=e, top_k=4, expert_hidden=h, n_shared_experts=1)
+            keys = jax.random.split(jax.random.key(0), 7)
+
+            def w(i, *shape):
+                return (0.02 * jax.random.normal(keys[i], shape, jnp.float32)).astype(jnp.bfloat16)
+
+            params = {"router": w(0, d, e),
+                      "routed": ExpertWeights(w(1, e, d, h), w(2, e, d, h), w(3, e, h, d)),
+                      "shared": ExpertWeights(w(4, d, h), w(5, d, h), w(6, h, d))}
+
+            def loss(params, x, moe=moe, routing=routing):
+                out, stats = moe_block(x, params["router"], params["routed"], params["shared"], moe,
+                                       routing=routing, key=jax.random.key(3), experts_fn=local_experts)
+                return jnp.mean(jnp.square(out.astype(jnp.float32))) + 0.01 * stats.load_balancing
+
+            grad = jax.jit(jax.grad(loss))
+            rows.append(_time_moe(lambda g=grad, p=params: jax.block_until_ready(g(p, x)), lambda: None,
+                                  args, e, routing))
+    emit({"name": "moe olmo-train-jax", "jax": jax.__version__, "rows": rows})
+
+
+def _time_moe(step, sync, args, n_experts: int, routing: str) -> dict:
+    for _ in range(2):
+        step()
+    sync()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    fpt = moe_flops_per_token(args.d_model, args.hidden, 4, args.hidden, n_experts)
+    row = {"experts": n_experts, "routing": routing, "step_s": t, "tokens_per_s": args.tokens / t,
+           "tflops": fpt * args.tokens / t / 1e12}
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+# ---- all -------------------------------------------------------------------------------------
+
+def cmd_all(args) -> None:
+    out = Path(args.out)
+    logs = out / "logs"  # the device tool returns at most 8 files: run_h200.sh tars this folder
+    logs.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.deadline_s
+    common = ["--preset", args.preset, "--seq", str(args.seq), "--batch", str(args.batch),
+              "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-seconds", str(args.max_seconds)]
+    moe = ["--experts", *map(str, args.moe_experts), "--tokens", str(args.moe_tokens),
+           "--d-model", str(args.moe_d_model), "--hidden", str(args.moe_hidden)]
+    plan = {
+        "env": (["env"], 60),
+        "torch": (["torch", *common, "--compile"], 200),
+        "jax": (["jax", *common, "--attention", "auto"], 200),
+        "olmo-core": (None, 200),
+        "jax-attention-test": (None, 90),
+        "moe-torch": (["moe-torch", *moe], 90),
+        "moe-jax": (["moe-jax", *moe], 120),
+        "jax-xla-attention": (["jax", *common, "--attention", "xla"], 200),
+        "torch-eager": (["torch", *common], 150),
+        "jax-remat-block": (["jax", *common, "--attention", "auto", "--remat", "block"], 200),
+    }
+    plan = [(key, *plan[key]) for key in args.only]
+    results = []
+    for key, argv, budget in plan:
+        left = deadline - time.monotonic()
+        if left < 30:
+            print(f"== {key}: skipped, {left:.0f} s left of the deadline", flush=True)
+            results.append({"name": key, "error": "skipped: out of time"})
+            continue
+        timeout = min(budget, left)
+        print(f"== {key} (timeout {timeout:.0f} s)", flush=True)
+        t0 = time.perf_counter()
+        log = logs / f"{key}.log"
+        try:
+            if key == "olmo-core":
+                res = run_olmo_core(args, logs, timeout)
+            elif key == "jax-attention-test":
+                test = ROOT / "packages" / "olmo-train-jax" / "tests" / "test_attention_impl.py"
+                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(test)],
+                                      capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                log.write_text(proc.stdout + proc.stderr)
+                errs = [ln for ln in proc.stdout.splitlines() if "cudnn" in ln and "xla bf16" in ln]
+                res = {"name": key, "exit": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
+                       "errors": errs}
+            else:
+                proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
+                                      timeout=timeout, cwd=ROOT)
+                log.write_text(proc.stdout + proc.stderr)
+                found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                if found:
+                    res = json.loads(found[-1])
+                else:
+                    tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-3:]
+                    res = {"name": key, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-600:]}
+        except subprocess.TimeoutExpired:
+            res = {"name": key, "error": f"timed out after {timeout:.0f} s"}
+        res["wall_s"] = time.perf_counter() - t0
+        results.append(res)
+        print(json.dumps(res), flush=True)
+        with open(out / "results.jsonl", "a") as f:
+            f.write(json.dumps(res) + "\n")
+    print_table(results)
+
+
+def print_table(results: list[dict]) -> None:
+    env = next((r for r in results if r.get("name") == "env" and "matmul_bf16_tflops" in r), None)
+    measured = env["matmul_bf16_tflops"] * 1e12 if env else None
+    if env:
+        print(f"\n{env['device']}: torch {env['torch']}, jax {env.get('jax')}, bf16 8192^3 matmul "
+              f"{env['matmul_bf16_tflops']:.0f} TFLOP/s, copy {env['copy_tb_per_s']:.2f} TB/s")
+    print(f"{'contender':44s} {'step s':>7s} {'tok/s/dev':>10s} {'TFLOP/s':>8s} {'MFU(989)':>9s} "
+          f"{'MFU(meas)':>9s} {'mem GiB':>8s} {'warmup s':>9s}")
+    for r in results:
+        if "tokens_per_s_per_device" in r:
+            meas = f"{r['model_tflops'] * 1e12 / measured:.1%}" if measured else "-"
+            mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") else "-"
+            print(f"{r['name']:44s} {r['step_s']:7.3f} {r['tokens_per_s_per_device']:10,.0f} "
+                  f"{r['model_tflops']:8.1f} {r['mfu_datasheet']:9.1%} {meas:>9s} {mem:>8s} "
+                  f"{sum(r['warmup_s']):9.1f}")
+        elif "rows" in r:
+            base = {}
+            for row in r["rows"]:
+                base.setdefault(row["routing"], row["tokens_per_s"])
+                print(f"{r['name']:26s} E={row['experts']:<4d} {row['routing']:8s} {row['step_s'] * 1e3:8.2f} ms "
+                      f"{row['tokens_per_s']:12,.0f} tok/s {row['tflops']:7.1f} TFLOP/s "
+                      f"{row['tokens_per_s'] / base[row['routing']]:.3f} of E={r['rows'][0]['experts']}")
+        elif "error" in r:
+            print(f"{r['name']:44s} {r['error']}")
+        elif "summary" in r:
+            print(f"{r['name']:44s} exit {r['exit']} {r['summary']}")
+            for ln in r["errors"]:
+                print(f"    {ln}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("all", "torch", "jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--preset", default="olmo3-1b")
+        p.add_argument("--seq", type=int, default=4096)
+        p.add_argument("--batch", type=int, default=8)
+        p.add_argument("--steps", type=int, default=8, help="timed steps")
+        p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
+        p.add_argument("--max-seconds", type=float, default=120, help="stop timing once this much has run")
+    sub.choices["all"].add_argument("--out", required=True)
+    sub.choices["all"].add_argument("--deadline-s", type=float, default=450)
+    sub.choices["all"].add_argument("--only", nargs="+", default=[
+        "env", "torch", "jax", "olmo-core", "jax-attention-test", "moe-torch", "moe-jax",
+        "jax-xla-attention", "torch-eager"], help="contenders, in this order")
+    sub.choices["all"].add_argument("--moe-experts", type=int, nargs="+", default=[8, 32, 64, 128])
+    sub.choices["all"].add_argument("--moe-tokens", type=int, default=16384)
+    sub.choices["all"].add_argument("--moe-d-model", type=int, default=2048)
+    sub.choices["all"].add_argument("--moe-hidden", type=int, default=1024)
+    sub.choices["torch"].add_argument("--compile", action="store_true")
+    sub.choices["torch"].add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    sub.choices["jax"].add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"))
+    sub.choices["jax"].add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                                    help="fp32 only for dry runs on CPU (XLA:CPU has no bf16 x bf16 -> f32 dot)")
+    sub.choices["jax"].add_argument("--remat", default="none", choices=("none", "block", "save_dots"))
+    sub.add_parser("env")
+    for name in ("moe-torch", "moe-jax"):
+        p = sub.add_parser(name)
+        p.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64, 128])
+        p.add_argument("--routing", nargs="+", default=["learned", "random"])
+        p.add_argument("--tokens", type=int, default=16384)
+        p.add_argument("--d-model", type=int, default=2048)
+        p.add_argument("--hidden", type=int, default=1024)
+        p.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    {"all": cmd_all, "env": cmd_env, "torch": cmd_torch, "jax": cmd_jax,
+     "moe-torch": cmd_moe_torch, "moe-jax": cmd_moe_jax}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
