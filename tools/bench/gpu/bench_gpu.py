@@ -305,34 +305,44 @@ def cmd_moe_torch(args) -> None:
 
 
 def cmd_moe_jax(args) -> None:
+    import functools
+
     import jax
     import jax.numpy as jnp
     from olmo_model import MoESpec
-    from olmo_train_jax.moe import ExpertWeights, local_experts, moe_block
+    from olmo_train_jax.moe import ExpertWeights, gemm_backend, local_experts, moe_block
 
     d, h = args.d_model, args.hidden
     x = jax.random.normal(jax.random.key(1), (args.tokens, d), jnp.bfloat16)
     rows = []
-    for routing in args.routing:
-        for e in args.experts:
-            moe = MoESpec(n_experts=e, top_k=4, expert_hidden=h, n_shared_experts=1)
-            keys = jax.random.split(jax.random.key(0), 7)
+    for gemm in args.gemm:
+        name = gemm_backend(jnp.bfloat16, d, h) if gemm == "auto" else gemm
+        for routing in args.routing:
+            for e in args.experts:
+                moe = MoESpec(n_experts=e, top_k=4, expert_hidden=h, n_shared_experts=1)
+                keys = jax.random.split(jax.random.key(0), 7)
 
-            def w(i, *shape):
-                return (0.02 * jax.random.normal(keys[i], shape, jnp.float32)).astype(jnp.bfloat16)
+                def w(i, *shape, keys=keys):
+                    return (0.02 * jax.random.normal(keys[i], shape, jnp.float32)).astype(jnp.bfloat16)
 
-            params = {"router": w(0, d, e),
-                      "routed": ExpertWeights(w(1, e, d, h), w(2, e, d, h), w(3, e, h, d)),
-                      "shared": ExpertWeights(w(4, d, h), w(5, d, h), w(6, h, d))}
+                params = {"router": w(0, d, e),
+                          "routed": ExpertWeights(w(1, e, d, h), w(2, e, d, h), w(3, e, h, d)),
+                          "shared": ExpertWeights(w(4, d, h), w(5, d, h), w(6, h, d))}
+                experts_fn = functools.partial(local_experts, gemm=gemm)
 
-            def loss(params, x, moe=moe, routing=routing):
-                out, stats = moe_block(x, params["router"], params["routed"], params["shared"], moe,
-                                       routing=routing, key=jax.random.key(3), experts_fn=local_experts)
-                return jnp.mean(jnp.square(out.astype(jnp.float32))) + 0.01 * stats.load_balancing
+                def loss(params, x, moe=moe, routing=routing, experts_fn=experts_fn):
+                    out, stats = moe_block(x, params["router"], params["routed"], params["shared"], moe,
+                                           routing=routing, key=jax.random.key(3), experts_fn=experts_fn)
+                    return jnp.mean(jnp.square(out.astype(jnp.float32))) + 0.01 * stats.load_balancing
 
-            grad = jax.jit(jax.grad(loss))
-            rows.append(_time_moe(lambda g=grad, p=params: jax.block_until_ready(g(p, x)), lambda: None,
-                                  args, e, routing))
+                grad = jax.jit(jax.grad(loss))
+                try:
+                    row = _time_moe(lambda g=grad, p=params: jax.block_until_ready(g(p, x)), lambda: None,
+                                    args, e, routing)
+                except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others
+                    row = {"experts": e, "routing": routing, "error": f"{type(err).__name__}: {str(err)[:300]}"}
+                    print(json.dumps(row), file=sys.stderr, flush=True)
+                rows.append({**row, "gemm": name})
     emit({"name": "moe olmo-train-jax", "jax": jax.__version__, "rows": rows})
 
 
@@ -372,10 +382,13 @@ def cmd_all(args) -> None:
         "olmo-core": (None, 200),
         "jax-attention-test": (None, 90),
         "moe-torch": (["moe-torch", *moe], 90),
-        "moe-jax": (["moe-jax", *moe], 120),
+        "moe-jax": (["moe-jax", *moe, "--gemm", *args.moe_jax_gemm], 150),
         "jax-xla-attention": (["jax", *common, "--attention", "xla"], 200),
         "torch-eager": (["torch", *common], 150),
         "jax-remat-block": (["jax", *common, "--attention", "auto", "--remat", "block"], 200),
+        "jax-save-dots": (["jax", *common, "--attention", "auto", "--remat", "save_dots"], 200),
+        "jax-xla-save-dots": (["jax", *common, "--attention", "xla", "--remat", "save_dots"], 200),
+        "grouped-gemm-test": (None, 90),
     }
     plan = [(key, *plan[key]) for key in args.only]
     results = []
@@ -392,12 +405,14 @@ def cmd_all(args) -> None:
         try:
             if key == "olmo-core":
                 res = run_olmo_core(args, logs, timeout)
-            elif key == "jax-attention-test":
-                test = ROOT / "packages" / "olmo-train-jax" / "tests" / "test_attention_impl.py"
+            elif key in ("jax-attention-test", "grouped-gemm-test"):
+                name = "test_attention_impl.py" if key == "jax-attention-test" else "test_grouped_gemm.py"
+                test = ROOT / "packages" / "olmo-train-jax" / "tests" / name
                 proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(test)],
                                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
                 log.write_text(proc.stdout + proc.stderr)
-                errs = [ln for ln in proc.stdout.splitlines() if "cudnn" in ln and "xla bf16" in ln]
+                errs = [ln for ln in proc.stdout.splitlines() if "relative error" in ln or "xla bf16" in ln
+                        or "Error" in ln][:12]
                 res = {"name": key, "exit": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
                        "errors": errs}
             else:
@@ -438,10 +453,15 @@ def print_table(results: list[dict]) -> None:
         elif "rows" in r:
             base = {}
             for row in r["rows"]:
-                base.setdefault(row["routing"], row["tokens_per_s"])
-                print(f"{r['name']:26s} E={row['experts']:<4d} {row['routing']:8s} {row['step_s'] * 1e3:8.2f} ms "
+                label = f"{r['name']} {row.get('gemm', '')}".strip()
+                if "error" in row:
+                    print(f"{label:34s} E={row['experts']:<4d} {row['routing']:8s} {row['error'][:200]}")
+                    continue
+                key = (row.get("gemm"), row["routing"])
+                base.setdefault(key, (row["experts"], row["tokens_per_s"]))
+                print(f"{label:34s} E={row['experts']:<4d} {row['routing']:8s} {row['step_s'] * 1e3:8.2f} ms "
                       f"{row['tokens_per_s']:12,.0f} tok/s {row['tflops']:7.1f} TFLOP/s "
-                      f"{row['tokens_per_s'] / base[row['routing']]:.3f} of E={r['rows'][0]['experts']}")
+                      f"{row['tokens_per_s'] / base[key][1]:.3f} of E={base[key][0]}")
         elif "error" in r:
             print(f"{r['name']:44s} {r['error']}")
         elif "summary" in r:
@@ -468,6 +488,7 @@ def main() -> None:
         "jax-xla-attention", "torch-eager"], help="contenders, in this order")
     sub.choices["all"].add_argument("--moe-experts", type=int, nargs="+", default=[8, 32, 64, 128])
     sub.choices["all"].add_argument("--moe-tokens", type=int, default=16384)
+    sub.choices["all"].add_argument("--moe-jax-gemm", nargs="+", default=["auto", "ragged"])
     sub.choices["all"].add_argument("--moe-d-model", type=int, default=2048)
     sub.choices["all"].add_argument("--moe-hidden", type=int, default=1024)
     sub.choices["torch"].add_argument("--compile", action="store_true")
@@ -485,6 +506,8 @@ def main() -> None:
         p.add_argument("--d-model", type=int, default=2048)
         p.add_argument("--hidden", type=int, default=1024)
         p.add_argument("--repeats", type=int, default=10)
+    sub.choices["moe-jax"].add_argument("--gemm", nargs="+", default=["auto", "ragged"],
+                                        help="grouped GEMM backends (moe.GEMM_BACKENDS; auto = moe.gemm_backend)")
     args = parser.parse_args()
     {"all": cmd_all, "env": cmd_env, "torch": cmd_torch, "jax": cmd_jax,
      "moe-torch": cmd_moe_torch, "moe-jax": cmd_moe_jax}[args.cmd](args)

@@ -16,6 +16,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:packages/olmo-model/src:packages/olmo-data/src:packages/olmo-train-jax/src:packages/olmo-train-torch/src
 export PYTHONUNBUFFERED=1
+# JAX takes 75% of the card by default; the olmo3-1b step at 32k tokens needs more (run 1: OOM).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 { nvidia-smi; python3 -m pip list 2>/dev/null | grep -iE '^(torch|jax|jaxlib|flax|optax|orbax|chex|transformers|numpy|pydantic|ai2-olmo-core|triton) '; } > "$OUT/env.txt" 2>&1
 python3 tools/bench/gpu/bench_gpu.py all --out "$OUT" --deadline-s "$DEADLINE" "$@" 2>&1 | tee "$OUT/all.log"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$OUT/logs"

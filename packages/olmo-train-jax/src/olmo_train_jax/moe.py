@@ -10,9 +10,10 @@ Maths (the contract shared with the Torch trainer and ``olmo_model.reference``):
   stored concatenated along their hidden axis, which is the same sum computed as one SwiGLU;
 - dropless: all T*k (token, slot) assignments are computed. They are sorted by expert (a
   stable argsort, token order kept inside a group), the group sizes counted on device, and
-  each of the three SwiGLU matmuls is ONE ``jax.lax.ragged_dot`` over the variable-size
-  groups on GPU/TPU; on CPU (where XLA lowers ragged_dot densely over all groups) the rows
-  are padded into one-expert tiles and the matmuls batched over tiles (``tiled_swiglu``);
+  each of the three SwiGLU matmuls is ONE grouped GEMM over the variable-size groups
+  (``grouped_swiglu``): ``jax.lax.ragged_dot`` on TPU, JAX's Hopper Mosaic GPU kernels on
+  H100/H200 (XLA:GPU lowers ragged_dot densely over all groups), and on CPU (dense there
+  too) the rows padded into one-expert tiles with the matmuls batched over tiles;
 - aux losses of a layer over the tokens it is given, which in the jitted global view is the
   whole global micro-batch whatever the device count: load balancing
   ``E * sum_e f_e P_e`` (f_e: share of the T*k assignments that went to e, P_e: mean
@@ -182,22 +183,122 @@ def _mx(x: jax.Array, axis: int) -> jax.Array:
     return x + jax.lax.stop_gradient(mxfp8_quantize(x, axis) - x)
 
 
-def grouped_swiglu(xs: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *, mxfp8: bool = False) -> jax.Array:
+def grouped_swiglu(
+    xs: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *, mxfp8: bool = False, gemm: str = "auto"
+) -> jax.Array:
     """Rows of ``xs`` [N, d], sorted into consecutive groups of ``group_sizes`` [E] rows, each
     through its own expert's SwiGLU -> [N, d]; rows past sum(group_sizes) come back zero.
     ``mxfp8``: both operands of each matmul rounded through MXFP8 along its reduction axis.
 
-    On GPU/TPU each matmul is one ``jax.lax.ragged_dot`` (native grouped kernels). XLA:CPU
-    lowers ragged_dot as a dense contraction over all E groups (cost ~ N x E), so on CPU the
-    rows go through ``tiled_swiglu`` instead (cost ~ N + E x tile)."""
+    ``gemm`` picks the grouped GEMM (``gemm_backend`` for ``auto``): ``ragged``, one
+    ``jax.lax.ragged_dot`` per matmul (TPU); ``tiled``, ``tiled_swiglu`` (CPU: XLA:CPU lowers
+    ragged_dot as a dense contraction over all E groups, cost ~ N x E; tiles cost ~ N + E x
+    tile); ``mgpu``, JAX's Hopper grouped-GEMM kernels (XLA:GPU's ragged_dot is dense too)."""
     dtype = xs.dtype
     gate, up, down = (t.astype(dtype) for t in w)
     if mxfp8:
         # Kernels are (in, out): the reduction axis is -2 of the weights, -1 of the rows.
         xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
-    if jax.default_backend() == "cpu":
+    backend = gemm_backend(xs.dtype, xs.shape[1], gate.shape[2]) if gemm == "auto" else gemm
+    if backend == "tiled":
         return tiled_swiglu(xs, ExpertWeights(gate, up, down), group_sizes, mxfp8=mxfp8)
+    if backend == "mgpu":
+        return _swiglu(lambda a, b: mgpu_grouped_matmul(a, b, group_sizes), xs, ExpertWeights(gate, up, down), mxfp8)
+    if backend != "ragged":
+        raise ValueError(f"gemm='{gemm}' is unknown; use one of: {', '.join(GEMM_BACKENDS)}")
     return _swiglu(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), xs, ExpertWeights(gate, up, down), mxfp8)
+
+
+# ---- grouped GEMM backends -------------------------------------------------------------------
+
+GEMM_BACKENDS = ("auto", "ragged", "tiled", "mgpu")
+# Tiles of JAX's Hopper grouped-GEMM kernels (jax.experimental.pallas.ops.gpu): the forward
+# and d x use ragged_dot_mgpu, the weight gradient transposed_ragged_dot_mgpu. Widths must be
+# multiples of MGPU_ALIGN (block_k of the first, block_m/block_n of the second).
+MGPU_RAGGED = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+MGPU_TRANSPOSED = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2, grid_block_n=1)
+MGPU_ALIGN = 128
+
+
+def gemm_backend(dtype, d_in: int, d_hidden: int) -> str:
+    """``auto``'s choice. XLA:CPU lowers ragged_dot densely over all groups (cost ~ N x E): tiles.
+    XLA:GPU does the same in jax 0.11 (measured on an H200: 8 -> 128 experts made one MoE
+    block's step 15x slower), so Hopper GPUs run JAX's own Mosaic GPU grouped-GEMM kernels
+    (bf16/fp16, widths multiples of 128); TPUs and other cases keep ragged_dot."""
+    platform = jax.default_backend()
+    if platform == "cpu":
+        return "tiled"
+    if platform == "gpu" and _is_hopper() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) \
+            and d_in % MGPU_ALIGN == 0 and d_hidden % MGPU_ALIGN == 0:
+        return "mgpu"
+    return "ragged"
+
+
+def _is_hopper() -> bool:
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+
+
+def _mgpu_kernels():
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    def forward(x, w, sizes, transpose_rhs=False):
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, transpose_rhs=transpose_rhs, **MGPU_RAGGED)
+
+    def weight_grad(x, dy, sizes):
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=sizes, **MGPU_TRANSPOSED)
+
+    return forward, weight_grad
+
+
+def reference_kernels():
+    """The two kernels' maths in plain ``ragged_dot`` (any backend): what the Mosaic kernels
+    compute, for tests of ``grouped_matmul_vjp`` where they cannot run."""
+
+    def forward(x, w, sizes, transpose_rhs=False):
+        return jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, sizes)
+
+    def weight_grad(x, dy, sizes):
+        # [N, I], [N, O] -> [G, I, O]: per group, x_g^T dy_g (rows are the ragged contraction).
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+        )
+        return jax.lax.ragged_dot_general(x, dy, sizes, ragged_dot_dimension_numbers=dims)
+
+    return forward, weight_grad
+
+
+def grouped_matmul_vjp(kernels):
+    """rows [N, I] in consecutive groups of ``sizes`` [G], each times its own w[g] [I, O] ->
+    [N, O], differentiable, from (forward, weight_grad) kernels: y = forward(x, w), dx =
+    forward(dy, w^T) (``transpose_rhs``: the kernel reads w[g] transposed, nothing is copied),
+    dw = weight_grad(x, dy). Rows past sum(sizes) belong to no group: their outputs and input
+    gradients are zero (the kernels leave them unwritten)."""
+    forward, weight_grad = kernels
+
+    def mask(t, sizes):
+        return jnp.where((jnp.arange(t.shape[0]) < jnp.sum(sizes))[:, None], t, jnp.zeros((), t.dtype))
+
+    @jax.custom_vjp
+    def matmul(x, w, sizes):
+        return mask(forward(x, w, sizes), sizes)
+
+    def fwd(x, w, sizes):
+        return matmul(x, w, sizes), (x, w, sizes)
+
+    def bwd(res, dy):
+        x, w, sizes = res
+        dy = mask(dy, sizes)
+        dx = mask(forward(dy, w, sizes, transpose_rhs=True), sizes)
+        dw = weight_grad(x, dy, sizes).astype(w.dtype)
+        return dx, dw, None
+
+    matmul.defvjp(fwd, bwd)
+    return matmul
+
+
+def mgpu_grouped_matmul(x, w, sizes):
+    """``ragged_dot(x, w, sizes)`` with JAX's Hopper Mosaic GPU kernels, forward and backward."""
+    return grouped_matmul_vjp(_mgpu_kernels())(x, w, sizes.astype(jnp.int32))
 
 
 def _swiglu(matmul, x: jax.Array, w: ExpertWeights, mxfp8: bool) -> jax.Array:
@@ -268,14 +369,16 @@ def combine(ys_flat: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def local_experts(
-    x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *, mxfp8: bool = False
+    x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *, mxfp8: bool = False,
+    gemm: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """The routed part with every expert on this device (an ``ExpertsFn`` as it stands;
-    ``functools.partial(local_experts, mxfp8=True)`` for the MXFP8 emulation)."""
+    ``functools.partial(local_experts, mxfp8=True)`` for the MXFP8 emulation, ``gemm=`` to
+    force a grouped GEMM backend)."""
     n_experts = w.gate.shape[0]
     k = experts.shape[-1]
     order, sizes = sort_by_expert(experts.reshape(-1), n_experts)
-    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8)
+    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8, gemm=gemm)
     ys = jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
     return combine(ys, weights), jnp.sum(sizes)
 
