@@ -416,17 +416,21 @@ def cmd_all(args) -> None:
                 res = {"name": key, "exit": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
                        "errors": errs}
             else:
-                proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
-                                      timeout=timeout, cwd=ROOT)
-                log.write_text(proc.stdout + proc.stderr)
-                found = [ln[7:] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                # Output goes straight to the log, so a contender stopped at its timeout still
+                # leaves what it printed (device run 2 lost a whole MoE table that way).
+                with open(log, "w") as f:
+                    proc = subprocess.run([sys.executable, __file__, *argv], stdout=f, stderr=subprocess.STDOUT,
+                                          text=True, timeout=timeout, cwd=ROOT)
+                text = log.read_text()
+                found = [ln[7:] for ln in text.splitlines() if ln.startswith("RESULT ")]
                 if found:
                     res = json.loads(found[-1])
                 else:
-                    tail = [ln for ln in (proc.stderr or "").strip().splitlines() if ln.strip()][-3:]
+                    tail = [ln for ln in text.strip().splitlines() if ln.strip()][-3:]
                     res = {"name": key, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-600:]}
         except subprocess.TimeoutExpired:
-            res = {"name": key, "error": f"timed out after {timeout:.0f} s"}
+            partial = [ln for ln in log.read_text().splitlines() if ln.startswith("{")] if log.exists() else []
+            res = {"name": key, "error": f"timed out after {timeout:.0f} s", "partial": partial}
         res["wall_s"] = time.perf_counter() - t0
         results.append(res)
         print(json.dumps(res), flush=True)
