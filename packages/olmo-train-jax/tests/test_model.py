@@ -283,3 +283,53 @@ def test_adapter_rejects_bad_checkpoint_before_any_update(corrupt):
     assert all(np.array_equal(before[k], after[k]) for k in before)
     with pytest.raises(CheckpointMismatchError):
         model_from_hf(spec, tensors)
+
+
+def _vjp_leaves(f, *args):
+    """What f's backward keeps (shapes and dtypes only, traced, not run)."""
+    return jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_norm_and_swiglu_backward_keep_less_and_match_autodiff(dtype):
+    """model.rms_norm and model.swiglu_down have their own VJPs so that the backward keeps x and
+    1/rms (not two float32 copies of x), and g, u (not six [tokens, hidden] tensors): same
+    gradients as autodiff of the plain formulas (float32: to rounding; the swiglu backward reuses
+    autodiff's own arithmetic)."""
+    from olmo_train_jax.model import linear, rms_norm, swiglu_down
+
+    def plain_norm(x, w, eps):
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+    def plain_swiglu(g, u, w):
+        return linear(jax.nn.silu(g) * u, w)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 24, 64)), dtype)
+    w_norm = jnp.asarray(1 + 0.1 * rng.standard_normal(64), jnp.float32)
+    g, u = (jnp.asarray(rng.standard_normal((2, 24, 96)), dtype) for _ in range(2))
+    w_down = jnp.asarray(rng.standard_normal((96, 64)) / 10, dtype)
+    dy = jnp.asarray(rng.standard_normal((2, 24, 64)), dtype)
+
+    cases = [
+        (lambda x, w: rms_norm(x, w, 1e-6), lambda x, w: plain_norm(x, w, 1e-6), (x, w_norm)),
+        (swiglu_down, plain_swiglu, (g, u, w_down)),
+    ]
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2  # bf16: the cotangents round to bf16 either way
+    for ours, plain, args in cases:
+        (y_a, vjp_a), (y_b, vjp_b) = jax.vjp(ours, *args), jax.vjp(plain, *args)
+        np.testing.assert_array_equal(np.asarray(y_a, np.float32), np.asarray(y_b, np.float32))
+        for a, b in zip(vjp_a(dy), vjp_b(dy), strict=True):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.abs(a - b).max() <= tol * np.abs(b).max()
+
+    norm_kept = _vjp_leaves(lambda x, w: rms_norm(x, w, 1e-6), x, w_norm)
+    # x in its own dtype, the weight, one float32 1/rms per row; nothing of x's size in float32
+    # beyond x itself when x is float32.
+    assert sum(leaf.size for leaf in norm_kept) == x.size + w_norm.size + 2 * 24
+    assert sum(leaf.size for leaf in _vjp_leaves(lambda x, w: plain_norm(x, w, 1e-6), x, w_norm)) >= 2 * x.size
+    kept = _vjp_leaves(swiglu_down, g, u, w_down)
+    assert sorted(leaf.size for leaf in kept) == sorted([g.size, u.size, w_down.size])
+    assert sum(leaf.size for leaf in _vjp_leaves(plain_swiglu, g, u, w_down)) >= 3 * g.size + w_down.size
