@@ -31,25 +31,14 @@ import numpy as np
 def jax_step(spec, ids: np.ndarray, labels: np.ndarray):
     """olmo-train-jax's fused train step (fp32), placed as the trainer places it: a no-argument
     callable that runs one step and returns its loss."""
-    import jax
     import jax.numpy as jnp
-    from flax import nnx
     from olmo_model.recipe import load_recipe
-    from olmo_train_jax import sharding
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import make_optimizer, make_step_functions
+    from olmo_train_jax.train import placed_step
 
     recipe = load_recipe(None, ["--train.precision=fp32"])
-    graphdef, state = nnx.split(build_model(spec, seed=0))
-    params = nnx.to_pure_dict(state)
-    mesh = sharding.make_mesh({"data": -1})
-    tx = make_optimizer(params, recipe)
-    params_sh = sharding.param_shardings(params, spec, mesh)
-    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
-    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
     # Placed with the step's shardings, as the trainer does: no recompile at the second step.
-    carry = [jax.device_put(params, params_sh)]
-    carry.append(jax.jit(tx.init, out_shardings=opt_sh)(carry[0]))
+    fns, carry = placed_step(build_model(spec, seed=0), spec, recipe)
     data = {"input_ids": ids[None], "labels": labels[None], "doc_ids": np.zeros_like(ids)[None]}
     data = {k: jnp.asarray(v) for k, v in data.items()}
     lr = np.float32(1e-3)

@@ -196,29 +196,17 @@ def _run_steps(step, data: np.ndarray, warmup: int, max_seconds: float | None):
 def cmd_jax(args) -> None:
     import jax
     import jax.numpy as jnp
-    from flax import nnx
     from olmo_model import flops_per_token, get_preset
     from olmo_model.recipe import load_recipe
-    from olmo_train_jax import sharding
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import make_optimizer, make_step_functions
+    from olmo_train_jax.train import placed_step
 
     spec = get_preset(args.preset)
     recipe = load_recipe(None, [f"--train.precision={args.precision}", f"--jax.remat={args.remat}",
                                 f"--jax.attention={args.attention}"])
     dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
-    model = build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention)
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    del model, state
-    mesh = sharding.make_mesh({"data": -1})
-    tx = make_optimizer(params, recipe)
-    params_sh = sharding.param_shardings(params, spec, mesh)
-    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
-    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
-    carry = [jax.device_put(params, params_sh)]
-    del params
-    carry.append(jax.jit(tx.init, out_shardings=opt_sh)(carry[0]))
+    fns, carry = placed_step(build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention),
+                             spec, recipe)
     data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
     lr = np.float32(1e-4)
 
@@ -294,13 +282,12 @@ def cmd_moe_torch(args) -> None:
             block = block.to(torch.bfloat16)
             block.routing = routing
 
-            def step():
+            def step(block=block):
                 out, stats = block(x)
                 aux = moe_aux_losses([stats])
                 (out.float().square().mean() + 0.01 * aux.load_balancing).backward()
 
             rows.append(_time_moe(step, _sync, args, e, routing))
-            del block
     emit({"name": "moe olmo-train-torch", "torch": torch.__version__, "rows": rows})
 
 

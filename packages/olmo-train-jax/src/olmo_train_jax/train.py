@@ -279,6 +279,25 @@ def make_step_functions(
     )
 
 
+def placed_step(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh_axes: dict[str, int] | None = None):
+    """(StepFunctions, [params, opt_state]) for a freshly built dense ``model`` on a mesh
+    (default: every device on ``data``), the parameters and AdamW state placed with the step's
+    own shardings (so the first timed step does not recompile): the trainer's step without a
+    run dir, for benchmarks and tools. ``fns.fused(*carry, batch, lr)`` runs one step."""
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    del state
+    mesh = sharding.make_mesh(mesh_axes or {"data": -1})
+    tx = make_optimizer(params, recipe)
+    params_sh = sharding.param_shardings(params, spec, mesh)
+    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
+    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
+    carry = [jax.device_put(params, params_sh)]
+    del params
+    carry.append(jax.jit(tx.init, out_shardings=opt_sh)(carry[0]))
+    return fns, carry
+
+
 # ---- throughput reference --------------------------------------------------------------------
 
 def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
