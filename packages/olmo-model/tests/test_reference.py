@@ -12,7 +12,7 @@ import transformers
 from transformers.models.olmo3 import modeling_olmo3
 from transformers.models.olmoe import modeling_olmoe
 
-from olmo_model import FULL, get_preset, hf_config
+from olmo_model import FULL, SpecError, get_preset, hf_config
 from olmo_model import reference as ref
 
 
@@ -271,3 +271,24 @@ def test_moe_model_loss_adds_weighted_aux():
     assert out["total"] == pytest.approx(
         out["ce"] + 1e-5 * out["z_loss"] + 0.01 * aux["load_balancing_loss"] + 0.001 * aux["router_z_loss"], rel=1e-12
     )
+
+
+def test_pre_norm_reference_matches_olmoe_for_causal_lm():
+    """norm_placement='pre': the numpy reference of a whole OLMoE-shaped model against
+    transformers' OlmoeForCausalLM (float32) on the same weights (hf_moe.olmoe_state_dict).
+    The reordered-norm reference on the same weights must not match (the field is used)."""
+    from olmo_model.hf_moe import olmoe_config, olmoe_state_dict, spec_from_olmoe_config
+
+    spec = _moe_spec(False).replace(sliding_window=None, norm_placement="pre")
+    assert spec_from_olmoe_config(olmoe_config(spec)).norm_placement == "pre"
+    params = ref.init_params(spec, seed=3)
+    model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(**olmoe_config(spec))).eval()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in olmoe_state_dict(params, spec).items()}, strict=True)
+    ids = np.random.default_rng(4).integers(0, spec.vocab_size, size=(2, 24))
+    with torch.no_grad():
+        theirs = model(input_ids=torch.from_numpy(ids)).logits.double().numpy()
+    assert np.abs(ref.forward(spec, params, ids) - theirs).max() <= 1e-4
+    reordered = ref.forward(spec.replace(norm_placement="reordered"), params, ids)
+    assert np.abs(reordered - theirs).max() > 1e-2
+    with pytest.raises(SpecError, match="norm_placement='pre' cannot be expressed by Olmo3ForCausalLM"):
+        hf_config(spec.replace(moe=None))

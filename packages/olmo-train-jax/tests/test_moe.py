@@ -202,6 +202,33 @@ def test_block_matches_torch_moe_block():
     assert float(stats.router_z) == pytest.approx(ref_z, rel=1e-5)
 
 
+def _olmoe_spec(normalize: bool):
+    return TINY_MOE.replace(
+        sliding_window=None, norm_placement="pre",
+        moe=TINY_MOE.moe.model_copy(update={"n_shared_experts": 0, "normalize_top_k": normalize}),
+    )
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_logits_match_transformers_olmoe_for_causal_lm(normalize):
+    """The whole pre-norm MoE model against transformers' OlmoeForCausalLM on the same weights
+    (olmo_model.hf_moe.olmoe_state_dict), fp32, and against the float64 numpy reference."""
+    from olmo_model.hf_moe import olmoe_config, olmoe_state_dict
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    spec = _olmoe_spec(normalize)
+    params = reference.init_params(spec, seed=9)
+    hf = OlmoeForCausalLM(OlmoeConfig(**olmoe_config(spec))).eval()
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in olmoe_state_dict(params, spec).items()}, strict=True)
+    ids = np.random.default_rng(10).integers(0, spec.vocab_size, (2, 40))
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(lambda m, x: m(x))(model_from_hf(spec, params), jnp.asarray(ids)))
+    assert np.abs(got - want).max() <= 1e-4
+    assert np.abs(got - reference.forward(spec, params, ids)).max() <= 1e-4
+
+
 @pytest.mark.parametrize("normalize", [False, True])
 def test_block_matches_transformers_olmoe_sparse_moe_block(normalize):
     """transformers' OlmoeSparseMoeBlock (no shared expert, softmax router) on the same
@@ -210,9 +237,7 @@ def test_block_matches_transformers_olmoe_sparse_moe_block(normalize):
     from transformers import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
-    spec = TINY_MOE.replace(
-        sliding_window=None, moe=TINY_MOE.moe.model_copy(update={"n_shared_experts": 0, "normalize_top_k": normalize})
-    )
+    spec = _olmoe_spec(normalize)
     params = reference.init_params(spec, seed=11)
     hf_block = OlmoeSparseMoeBlock(OlmoeConfig(**olmoe_config(spec)))
     hf_block.load_state_dict({k: torch.from_numpy(v) for k, v in olmoe_block_tensors(params, spec, layer=2).items()})

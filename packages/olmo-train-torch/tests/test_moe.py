@@ -363,9 +363,38 @@ def test_mxfp8_experts_stay_close_to_fp32_and_pass_gradients_through():
 # ---- OLMoE interop --------------------------------------------------------------------------
 
 def _olmoe_spec(normalize: bool):
-    spec = get_preset("tiny-moe").replace(sliding_window=None)
+    spec = get_preset("tiny-moe").replace(sliding_window=None, norm_placement="pre")
     moe = spec.moe.model_copy(update=dict(n_shared_experts=0, normalize_top_k=normalize))
     return spec.replace(moe=moe.model_dump())
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_logits_match_transformers_olmoe_for_causal_lm(normalize):
+    """A whole pre-norm MoE model against transformers' OlmoeForCausalLM on the same weights
+    (olmo_model.hf_moe.olmoe_state_dict), and against the float64 numpy reference (fp32)."""
+    from olmo_model.hf_moe import olmoe_state_dict, tensors_from_olmoe
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    spec = _olmoe_spec(normalize)
+    params = reference.init_params(spec, seed=7)
+    hf = OlmoeForCausalLM(OlmoeConfig(**olmoe_config(spec))).eval()
+    state = olmoe_state_dict(params, spec)
+    hf.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=True)
+    ids = torch.from_numpy(np.random.default_rng(8).integers(0, spec.vocab_size, (2, SEQ)))
+    ours = model_from_hf(spec, params).eval()
+    with torch.no_grad():
+        want, got = hf(input_ids=ids).logits, ours(ids)
+    assert (got - want).abs().max().item() <= 1e-4
+    ref = reference.forward(spec, params, ids.numpy())
+    assert np.abs(got.double().numpy() - ref).max() <= 1e-4
+    # The reordered-norm model on the same weights is a different function: the test can fail.
+    with torch.no_grad():
+        other = model_from_hf(spec.replace(norm_placement="reordered"), params).eval()(ids)
+    assert (other - want).abs().max().item() > 1e-2
+    back = tensors_from_olmoe(state, spec)
+    assert back.keys() == params.keys()
+    for name, value in back.items():
+        np.testing.assert_array_equal(value, params[name])
 
 
 @pytest.mark.parametrize("normalize", [False, True])
@@ -393,10 +422,12 @@ def test_olmoe_config_round_trip_and_refusals():
     spec = _olmoe_spec(True)
     again = spec_from_olmoe_config(olmoe_config(spec))
     assert again.replace(mlp_hidden=spec.mlp_hidden) == spec
+    with pytest.raises(SpecError, match="norm_placement='reordered' cannot be expressed by OlmoeForCausalLM"):
+        olmoe_config(spec.replace(norm_placement="reordered"))
     with pytest.raises(SpecError, match="n_shared_experts=1 cannot be expressed by OlmoeForCausalLM; set it to 0"):
-        olmoe_config(get_preset("tiny-moe"))
+        olmoe_config(get_preset("tiny-moe").replace(norm_placement="pre"))
     with pytest.raises(SpecError, match="sliding-window layers cannot be expressed"):
-        olmoe_config(get_preset("tiny-moe").replace(moe=spec.moe.model_dump()))
+        olmoe_config(get_preset("tiny-moe").replace(moe=spec.moe.model_dump(), norm_placement="pre"))
     with pytest.raises(SpecError, match="'experts.down_proj' has shape"):
         block_tensors_from_olmoe({"gate.weight": np.zeros((8, 64)), "experts.gate_up_proj": np.zeros((8, 128, 64)),
                                   "experts.down_proj": np.zeros((8, 64, 32))}, spec, 0)

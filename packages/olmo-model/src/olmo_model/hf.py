@@ -22,6 +22,11 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     """config.json contents for transformers' Olmo3ForCausalLM."""
     if spec.moe is not None:
         raise SpecError("hf_config: MoE specs use the OLMoE layout, not Olmo3; see olmo_model.hf_moe")
+    if spec.norm_placement != "reordered":
+        raise SpecError(
+            f"hf_config: norm_placement='{spec.norm_placement}' cannot be expressed by Olmo3ForCausalLM "
+            "(its blocks normalise the sublayer outputs); use norm_placement='reordered'"
+        )
     if spec.qk_norm != "full":
         raise SpecError(
             f"hf_config: qk_norm='{spec.qk_norm}' cannot be expressed by Olmo3ForCausalLM "
@@ -215,8 +220,9 @@ def _unexpected_fix(spec: ModelSpec, name: str) -> str:
         )
     if suffix == "input_layernorm.weight":
         return (
-            "a pre-norm (OLMoE/Llama) layer, which the spec's reordered-norm blocks cannot hold "
-            "(olmo_model.hf_moe: OLMoE moves per MoE block, not per model)"
+            "a pre-norm (OLMoE/Llama) layer: for an OLMoE checkpoint build the spec with "
+            "olmo_model.hf_moe.spec_from_olmoe_config (norm_placement='pre') and convert the "
+            "tensors with olmo_model.hf_moe.tensors_from_olmoe"
         )
     if _MOE_SUFFIX.fullmatch(suffix) and not spec.is_moe_layer(layer):
         return (

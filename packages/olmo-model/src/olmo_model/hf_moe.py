@@ -1,6 +1,4 @@
-"""OLMoE interop: transformers' ``OlmoeForCausalLM`` config and its MoE tensor layout.
-
-What carries over and what does not:
+"""OLMoE interop: transformers' ``OlmoeForCausalLM`` config and tensor layout.
 
 - the MoE block is the same maths: a softmax router ``mlp.gate.weight`` [E, d], top-k
   (``num_experts_per_tok``) with optional renormalisation (``norm_topk_prob``), SwiGLU
@@ -9,17 +7,16 @@ What carries over and what does not:
   transformers 5 fuses them in memory into ``mlp.experts.gate_up_proj`` [E, 2*hidden, d]
   (gate rows first, then up) and ``mlp.experts.down_proj`` [E, d, hidden]
   (``olmoe_block_tensors`` / ``block_tensors_from_olmoe`` convert one layer);
-- the decoder layer is not: OLMoE is pre-norm (``input_layernorm`` before attention,
-  ``post_attention_layernorm`` before the MLP) while the spec's blocks are Olmo 3's
-  reordered norm (norms on the sublayer outputs), and OLMoE has no sliding window and no
-  shared expert. So a whole OLMoE model cannot be expressed by a ModelSpec: weights
-  move per MoE block (and per attention projection), and parity with transformers is a
-  block-level comparison (``OlmoeSparseMoeBlock``), not a logits-level one.
+- the decoder layer is pre-norm (``input_layernorm`` before attention,
+  ``post_attention_layernorm`` before the MLP): a spec with ``norm_placement="pre"``. Our
+  tensor names keep one slot per sublayer norm whatever its placement, so
+  ``olmoe_state_dict`` / ``tensors_from_olmoe`` map our ``post_attention_layernorm`` (the
+  attention sublayer's norm) to OLMoE's ``input_layernorm`` and our
+  ``post_feedforward_layernorm`` (the MLP sublayer's) to OLMoE's ``post_attention_layernorm``.
 
-``olmoe_config(spec)`` writes the OlmoeConfig of the same sizes for the specs whose MoE
-and attention OLMoE can express (no shared expert, softmax router, every layer MoE,
-full attention, QK-norm over the full width, no YaRN); ``spec_from_olmoe_config`` reads
-one back (with the reordered-norm caveat above).
+``olmoe_config(spec)`` writes the OlmoeConfig of the same model for the specs OLMoE can
+express (pre-norm, no shared expert, softmax router, every layer MoE, full attention,
+QK-norm over the full width, no YaRN); ``spec_from_olmoe_config`` reads one back.
 """
 
 from __future__ import annotations
@@ -38,6 +35,8 @@ def _check_expressible(spec: ModelSpec) -> None:
     if moe is None:
         raise SpecError("olmoe_config: the spec has no moe section; dense specs use olmo_model.hf_config (Olmo3)")
     problems = [
+        (spec.norm_placement != "pre", f"norm_placement='{spec.norm_placement}'",
+         "use 'pre' (OLMoE normalises the sublayer inputs)"),
         (moe.n_shared_experts > 0, f"moe.n_shared_experts={moe.n_shared_experts}", "set it to 0 (OLMoE has no shared expert)"),
         (moe.gating != "softmax", f"moe.gating='{moe.gating}'", "use softmax (OLMoE's router)"),
         (moe.layers is not None, "moe.layers is set", "make every layer MoE (null), as in OLMoE"),
@@ -90,9 +89,8 @@ def olmoe_config(spec: ModelSpec) -> dict[str, Any]:
 
 
 def spec_from_olmoe_config(cfg: Mapping[str, Any], source: str = "config.json") -> ModelSpec:
-    """A ModelSpec with the sizes and MoE routing of an OLMoE config (ours or the hub's).
-
-    The spec's blocks are reordered-norm; OLMoE's are pre-norm (module doc)."""
+    """The ModelSpec of an OLMoE config (ours or the hub's): pre-norm blocks, its sizes and
+    MoE routing."""
     if cfg.get("model_type") not in (None, "olmoe"):
         raise SpecError(f"{source}: model_type '{cfg.get('model_type')}' is not olmoe; pass an OLMoE config.json")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -132,6 +130,7 @@ def spec_from_olmoe_config(cfg: Mapping[str, Any], source: str = "config.json") 
         "bos_token_id": cfg.get("bos_token_id"),
         "norm_eps": cfg.get("rms_norm_eps", 1e-5),
         "qk_norm": "full",
+        "norm_placement": "pre",
         "rope_theta": rope.get("rope_theta", cfg.get("rope_theta", 10_000.0)),
         "sliding_window": None,
         "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
@@ -193,4 +192,51 @@ def block_tensors_from_olmoe(block: Mapping[str, np.ndarray], spec: ModelSpec, l
         out[p + f"experts.{e}.gate_proj.weight"] = gate_up[e, :hidden]
         out[p + f"experts.{e}.up_proj.weight"] = gate_up[e, hidden:]
         out[p + f"experts.{e}.down_proj.weight"] = down[e]
+    return out
+
+
+# Per-layer tensors whose names differ between our layout and OLMoE's (the sublayer norms).
+_NORMS_TO_OLMOE = {
+    "post_attention_layernorm.weight": "input_layernorm.weight",
+    "post_feedforward_layernorm.weight": "post_attention_layernorm.weight",
+}
+
+
+def olmoe_state_dict(tensors: Mapping[str, np.ndarray], spec: ModelSpec) -> dict[str, np.ndarray]:
+    """A whole model's tensors (our HF names, as ``to_hf`` writes them) -> an
+    ``OlmoeForCausalLM.state_dict()`` of transformers 5 (fused experts, OLMoE norm names)."""
+    _check_expressible(spec)
+    out: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        if ".mlp." in name:
+            continue  # each layer's MoE block below
+        parts = name.split(".")
+        if name.startswith("model.layers.") and ".".join(parts[3:]) in _NORMS_TO_OLMOE:
+            name = ".".join(parts[:3]) + "." + _NORMS_TO_OLMOE[".".join(parts[3:])]
+        out[name] = np.asarray(value)
+    for layer in range(spec.n_layers):
+        for key, value in olmoe_block_tensors(tensors, spec, layer).items():
+            out[f"model.layers.{layer}.mlp.{key}"] = value
+    return out
+
+
+def tensors_from_olmoe(state: Mapping[str, np.ndarray], spec: ModelSpec) -> dict[str, np.ndarray]:
+    """The inverse of ``olmoe_state_dict``: an OlmoeForCausalLM state dict -> our HF names
+    (then ``load_hf`` / ``model_from_hf`` in either trainer, which check every shape)."""
+    _check_expressible(spec)
+    back = {v: k for k, v in _NORMS_TO_OLMOE.items()}
+    out: dict[str, np.ndarray] = {}
+    blocks: dict[int, dict[str, np.ndarray]] = {}
+    for name, value in state.items():
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[3] == "mlp":
+            blocks.setdefault(int(parts[2]), {})[".".join(parts[4:])] = np.asarray(value)
+            continue
+        if name.startswith("model.layers.") and ".".join(parts[3:]) in back:
+            name = ".".join(parts[:3]) + "." + back[".".join(parts[3:])]
+        out[name] = np.asarray(value)
+    for layer in range(spec.n_layers):
+        if layer not in blocks:
+            raise SpecError(f"tensors_from_olmoe: layer {layer} has no mlp tensors; the spec has {spec.n_layers} layers")
+        out.update(block_tensors_from_olmoe(blocks[layer], spec, layer))
     return out

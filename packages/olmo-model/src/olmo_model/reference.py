@@ -250,19 +250,24 @@ def forward_with_aux(spec: ModelSpec, params: Params, input_ids: np.ndarray) -> 
     b, s, d = x.shape
     lb_losses: list[float] = []
     z_losses: list[float] = []
+    pre_norm = spec.norm_placement == "pre"
     for i in range(spec.n_layers):
         pre = f"model.layers.{i}."
-        a = attention(spec, p, pre + "self_attn.", i, x)
-        x = x + rms_norm(a, p[pre + "post_attention_layernorm.weight"], eps)
+        attn_norm, mlp_norm = p[pre + "post_attention_layernorm.weight"], p[pre + "post_feedforward_layernorm.weight"]
+        if pre_norm:  # h = x + attn(norm(x)); out = h + mlp(norm(h))
+            x = x + attention(spec, p, pre + "self_attn.", i, rms_norm(x, attn_norm, eps))
+        else:  # reordered: h = x + norm(attn(x)); out = h + norm(mlp(h))
+            x = x + rms_norm(attention(spec, p, pre + "self_attn.", i, x), attn_norm, eps)
+        y = rms_norm(x, mlp_norm, eps) if pre_norm else x
         if spec.is_moe_layer(i):
             assert spec.moe is not None
-            m, lb, z = moe_block(spec.moe, p, pre + "mlp.", x.reshape(b * s, d))
+            m, lb, z = moe_block(spec.moe, p, pre + "mlp.", y.reshape(b * s, d))
             m = m.reshape(b, s, d)
             lb_losses.append(lb)
             z_losses.append(z)
         else:
-            m = swiglu(x, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"])
-        x = x + rms_norm(m, p[pre + "post_feedforward_layernorm.weight"], eps)
+            m = swiglu(y, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"])
+        x = x + (m if pre_norm else rms_norm(m, mlp_norm, eps))
     x = rms_norm(x, p["model.norm.weight"], eps)
     logits = x @ p["lm_head.weight"].T
     aux: dict[str, float] = {}

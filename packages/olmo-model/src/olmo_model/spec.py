@@ -4,7 +4,8 @@ Everything that decides the architecture lives here, so the JAX and the Torch
 trainer cannot disagree on the model they build:
 
 - reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h));
-  no input norms, a final RMSNorm before the untied output head;
+  no input norms, a final RMSNorm before the untied output head (``norm_placement="pre"``
+  moves the two norms to the sublayer inputs, as OLMoE and Llama place them);
 - QK-norm over the full projected width (Olmo 3) or per head;
 - a per-layer attention kind: "sliding_attention" (window `sliding_window`) or
   "full_attention"; the Olmo 3 default is 3 sliding : 1 global (layer i is
@@ -87,6 +88,11 @@ class ModelSpec(_Frozen):
     bos_token_id: int | None = None
     norm_eps: float = Field(1e-6, gt=0)  # RMSNorm eps
     qk_norm: Literal["full", "per_head", "none"] = "full"  # Olmo 3: full projected width
+    # Where a block's two RMSNorms sit. reordered (Olmo 3): h = x + norm(attn(x)),
+    # out = h + norm(mlp(h)); pre (OLMoE, Llama): h = x + attn(norm(x)), out = h + mlp(norm(h)).
+    # The same two norm weights (post_attention_layernorm / post_feedforward_layernorm in our
+    # HF names: the attention sublayer's norm and the MLP sublayer's) either way.
+    norm_placement: Literal["reordered", "pre"] = "reordered"
     rope_theta: float = Field(500_000.0, gt=0)
     yarn: YarnSpec | None = None  # applied to full_attention layers only (Olmo 3 stage 3)
     sliding_window: int | None = 4096  # keys a sliding layer's query sees, itself included

@@ -2,7 +2,8 @@
 
 Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
 
-- reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
+- reordered-norm blocks (``spec.norm_placement="pre"``: the norms on the sublayer inputs,
+  OLMoE's pre-norm): h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
   norms; a final RMSNorm, then an untied output head over the padded vocabulary;
 - QK-norm over the full projected width, before the head split and before RoPE
   (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
@@ -506,7 +507,10 @@ class OlmoModel(nnx.Module):
         def proj(a, name):
             return linear(a, w[name].astype(dtype))
 
-        q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
+        # norm_placement: reordered (Olmo 3) normalises each sublayer's output, pre its input.
+        pre_norm = spec.norm_placement == "pre"
+        a = rms_norm(x, w["post_attention_norm"], eps) if pre_norm else x
+        q, k, v = proj(a, "q_proj"), proj(a, "k_proj"), proj(a, "v_proj")
         if spec.qk_norm == "full":
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q = q.reshape(B, S, spec.n_heads, spec.head_dim)
@@ -516,20 +520,24 @@ class OlmoModel(nnx.Module):
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         attn = attention(q, k, v, window, doc_ids, self.attention)
-        h = x + rms_norm(proj(attn.reshape(B, S, spec.q_width), "o_proj"), w["post_attention_norm"], eps)
+        o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
+        h = x + (o if pre_norm else rms_norm(o, w["post_attention_norm"], eps))
+        m_in = rms_norm(h, w["post_feedforward_norm"], eps) if pre_norm else h
+
+        def finish(mlp):
+            return h + (mlp if pre_norm else rms_norm(mlp, w["post_feedforward_norm"], eps))
 
         if spec.moe is None:
-            mlp = swiglu_down(proj(h, "gate_proj"), proj(h, "up_proj"), w["down_proj"].astype(dtype))
-            return h + rms_norm(mlp, w["post_feedforward_norm"], eps), None
+            return finish(swiglu_down(proj(m_in, "gate_proj"), proj(m_in, "up_proj"), w["down_proj"].astype(dtype))), None
         routed = ExpertWeights(w["expert_gate_proj"], w["expert_up_proj"], w["expert_down_proj"])
         shared = None
         if spec.moe.n_shared_experts:
             shared = ExpertWeights(w["shared_gate_proj"], w["shared_up_proj"], w["shared_down_proj"])
-        tokens = h.reshape(B * S, spec.d_model)
+        tokens = m_in.reshape(B * S, spec.d_model)
         mlp, stats = moe_block(
             tokens, w["router"], routed, shared, spec.moe, routing=routing, key=key, experts_fn=self.experts_fn
         )
-        return h + rms_norm(mlp.reshape(B, S, spec.d_model), w["post_feedforward_norm"], eps), stats
+        return finish(mlp.reshape(B, S, spec.d_model)), stats
 
 
 def build_model(

@@ -4,7 +4,8 @@ Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
 
 - untied token embedding ``embed`` and output head ``lm_head`` over the padded vocab;
 - reordered-norm blocks, no input norms:
-  ``h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h))``; a final RMSNorm;
+  ``h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h))``; a final RMSNorm
+  (``spec.norm_placement="pre"``: ``h = x + attn(RMSNorm(x)); out = h + mlp(RMSNorm(h))``, OLMoE);
 - RMSNorm computes in float32 and casts back to the input dtype;
 - QK-norm over the full projected width before splitting heads and before RoPE
   (``qk_norm="full"``, Olmo 3), or per head (``"per_head"``), or none;
@@ -145,24 +146,34 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One reordered-norm decoder layer; its attention kind and RoPE come from the caller."""
+    """One decoder layer (``spec.norm_placement``: reordered, Olmo 3, or pre-norm); its
+    attention kind and RoPE come from the caller."""
 
     def __init__(self, spec: ModelSpec, mlp: nn.Module | None = None):
         super().__init__()
+        self.pre_norm = spec.norm_placement == "pre"
         self.attn = Attention(spec)
         self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
         self.mlp = mlp if mlp is not None else MLP(spec)
         self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
 
+    def _attend(self, x, cos, sin, mask) -> torch.Tensor:
+        """h = x + norm(attn(x)) (reordered) or x + attn(norm(x)) (pre)."""
+        if self.pre_norm:
+            return x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.attn_norm(self.attn(x, cos, sin, mask))
+
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+        h = self._attend(x, cos, sin, mask)
+        if self.pre_norm:
+            return h + self.mlp(self.mlp_norm(h))
         return h + self.mlp_norm(self.mlp(h))
 
 
 class MoEBlock(Block):
-    """A reordered-norm layer whose MLP is a mixture of experts; returns (x, RoutingStats)."""
+    """A decoder layer whose MLP is a mixture of experts; returns (x, RoutingStats)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         assert spec.moe is not None
@@ -171,7 +182,10 @@ class MoEBlock(Block):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, RoutingStats]:
-        h = x + self.attn_norm(self.attn(x, cos, sin, mask))
+        h = self._attend(x, cos, sin, mask)
+        if self.pre_norm:
+            m, stats = self.mlp(self.mlp_norm(h))
+            return h + m, stats
         m, stats = self.mlp(h)
         return h + self.mlp_norm(m), stats
 
