@@ -475,8 +475,8 @@ def main() -> None:
     sub.choices["all"].add_argument("--out", required=True)
     sub.choices["all"].add_argument("--deadline-s", type=float, default=450)
     sub.choices["all"].add_argument("--only", nargs="+", default=[
-        "env", "torch", "jax", "olmo-core", "jax-attention-test", "moe-torch", "moe-jax",
-        "jax-xla-attention", "torch-eager"], help="contenders, in this order")
+        "env", "torch", "jax-save-dots", "jax", "olmo-core", "moe-torch", "moe-jax", "jax-attention-test",
+        "grouped-gemm-test", "jax-xla-save-dots", "torch-eager"], help="contenders, in this order")
     sub.choices["all"].add_argument("--moe-experts", type=int, nargs="+", default=[8, 32, 64, 128])
     sub.choices["all"].add_argument("--moe-tokens", type=int, default=16384)
     sub.choices["all"].add_argument("--moe-jax-gemm", nargs="+", default=["auto", "ragged"])
