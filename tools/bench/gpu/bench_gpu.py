@@ -255,6 +255,43 @@ def run_olmo_core(args, tmp: Path, timeout: float) -> dict:
     return res
 
 
+# ---- the trainers' CLIs end to end ---------------------------------------------------------
+
+def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
+    """One trainer's CLI on the embedded sample mixture (loader, held-out eval, checkpoint,
+    metrics JSONL) for ``--cli-steps`` steps of ``--cli-preset``: the whole job, not only its
+    step. Reads the run's metrics.jsonl back."""
+    import tempfile
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"cli_{framework}_"))
+    common = [f"--model={args.cli_preset}", f"--train.steps={args.cli_steps}", "--checkpoint.every=1000",
+              "--eval.every=1000", "--log.progress=false", f"--run_dir={run_dir}"]
+    if framework == "torch":
+        # torchrun with one process: the trainer's GPU path (NCCL group, FSDP2, bf16 params).
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+               "-m", "olmo_train_torch", *common, "--torch.compile=true"]
+    else:
+        cmd = [sys.executable, "-m", "olmo_train_jax", *common, "--jax.remat=save_dots"]
+    with open(logs / f"cli-{framework}.log", "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=timeout, cwd=ROOT)
+    name = f"olmo-train-{framework} CLI {args.cli_preset}"
+    metrics = run_dir / "metrics.jsonl"
+    if proc.returncode or not metrics.exists():
+        tail = [ln for ln in (logs / f"cli-{framework}.log").read_text().splitlines() if ln.strip()][-3:]
+        return {"name": name, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-600:]}
+    lines = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    train = [ln for ln in lines if ln["kind"] == "train"]
+    evals = [ln for ln in lines if ln["kind"] == "eval"]
+    steady = train[3:] or train
+    return {
+        "name": name, "cli": True, "steps": len(train), "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
+        "tokens_per_s_per_device": statistics.median(ln["tokens_per_second_per_device"] for ln in steady),
+        "mfu": statistics.median(ln["mfu"] for ln in steady), "mfu_peak": train[-1].get("mfu_peak"),
+        "eval": evals[-1]["eval"] if evals else None,
+        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if (run_dir / "checkpoints").exists() else [],
+    }
+
+
 # ---- MoE block scaling -----------------------------------------------------------------------
 
 def moe_flops_per_token(d: int, hidden: int, top_k: int, shared_hidden: int, n_experts: int) -> float:
@@ -376,6 +413,8 @@ def cmd_all(args) -> None:
         "jax-save-dots": (["jax", *common, "--attention", "auto", "--remat", "save_dots"], 200),
         "jax-xla-save-dots": (["jax", *common, "--attention", "xla", "--remat", "save_dots"], 200),
         "grouped-gemm-test": (None, 90),
+        "cli-torch": (None, 240),
+        "cli-jax": (None, 240),
     }
     plan = [(key, *plan[key]) for key in args.only]
     results = []
@@ -392,6 +431,8 @@ def cmd_all(args) -> None:
         try:
             if key == "olmo-core":
                 res = run_olmo_core(args, logs, timeout)
+            elif key in ("cli-torch", "cli-jax"):
+                res = run_cli(key[4:], args, logs, timeout)
             elif key in ("jax-attention-test", "grouped-gemm-test"):
                 name = "test_attention_impl.py" if key == "jax-attention-test" else "test_grouped_gemm.py"
                 test = ROOT / "packages" / "olmo-train-jax" / "tests" / name
@@ -435,7 +476,12 @@ def print_table(results: list[dict]) -> None:
     print(f"{'contender':44s} {'step s':>7s} {'tok/s/dev':>10s} {'TFLOP/s':>8s} {'MFU(989)':>9s} "
           f"{'MFU(meas)':>9s} {'mem GiB':>8s} {'warmup s':>9s}")
     for r in results:
-        if "tokens_per_s_per_device" in r:
+        if r.get("cli"):
+            ev = ", ".join(f"{k} ppl {v['perplexity']:.1f}" for k, v in (r["eval"] or {}).items())
+            print(f"{r['name']:44s} {r['steps']} steps, loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, "
+                  f"{r['tokens_per_s_per_device']:,.0f} tok/s/dev, MFU {r['mfu']:.1%} ({r['mfu_peak']}), "
+                  f"held-out {ev}, checkpoints {r['checkpoints']}")
+        elif "tokens_per_s_per_device" in r:
             meas = f"{r['model_tflops'] * 1e12 / measured:.1%}" if measured else "-"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") else "-"
             print(f"{r['name']:44s} {r['step_s']:7.3f} {r['tokens_per_s_per_device']:10,.0f} "
@@ -476,7 +522,10 @@ def main() -> None:
     sub.choices["all"].add_argument("--deadline-s", type=float, default=450)
     sub.choices["all"].add_argument("--only", nargs="+", default=[
         "env", "torch", "jax-save-dots", "jax", "olmo-core", "moe-torch", "moe-jax", "jax-attention-test",
-        "grouped-gemm-test", "jax-xla-save-dots", "torch-eager"], help="contenders, in this order")
+        "grouped-gemm-test", "cli-torch", "cli-jax", "jax-xla-save-dots", "torch-eager"],
+        help="contenders, in this order")
+    sub.choices["all"].add_argument("--cli-preset", default="olmo3-190m", help="model of the cli-* contenders")
+    sub.choices["all"].add_argument("--cli-steps", type=int, default=30)
     sub.choices["all"].add_argument("--moe-experts", type=int, nargs="+", default=[8, 32, 64, 128])
     sub.choices["all"].add_argument("--moe-tokens", type=int, default=16384)
     sub.choices["all"].add_argument("--moe-jax-gemm", nargs="+", default=["auto", "ragged"])
