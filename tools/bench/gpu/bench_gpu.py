@@ -362,7 +362,7 @@ def cmd_moe_jax(args) -> None:
                 grad = jax.jit(jax.grad(loss))
                 try:
                     row = _time_moe(lambda g=grad, p=params: jax.block_until_ready(g(p, x)), lambda: None,
-                                    args, e, routing)
+                                    args, e, routing, name)
                 except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others
                     row = {"experts": e, "routing": routing, "error": f"{type(err).__name__}: {str(err)[:300]}"}
                     print(json.dumps(row), file=sys.stderr, flush=True)
@@ -370,7 +370,7 @@ def cmd_moe_jax(args) -> None:
     emit({"name": "moe olmo-train-jax", "jax": jax.__version__, "rows": rows})
 
 
-def _time_moe(step, sync, args, n_experts: int, routing: str) -> dict:
+def _time_moe(step, sync, args, n_experts: int, routing: str, gemm: str | None = None) -> dict:
     for _ in range(2):
         step()
     sync()
@@ -383,7 +383,7 @@ def _time_moe(step, sync, args, n_experts: int, routing: str) -> dict:
     t = statistics.median(times)
     fpt = moe_flops_per_token(args.d_model, args.hidden, 4, args.hidden, n_experts)
     row = {"experts": n_experts, "routing": routing, "step_s": t, "tokens_per_s": args.tokens / t,
-           "tflops": fpt * args.tokens / t / 1e12}
+           "tflops": fpt * args.tokens / t / 1e12, **({"gemm": gemm} if gemm else {})}
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
@@ -501,6 +501,8 @@ def print_table(results: list[dict]) -> None:
                       f"{row['tokens_per_s'] / base[key][1]:.3f} of E={base[key][0]}")
         elif "error" in r:
             print(f"{r['name']:44s} {r['error']}")
+            for line in r.get("partial", []):  # rows a timed-out contender printed before its limit
+                print(f"    {line[:200]}")
         elif "summary" in r:
             print(f"{r['name']:44s} exit {r['exit']} {r['summary']}")
             for ln in r["errors"]:
