@@ -292,7 +292,7 @@ def _vjp_leaves(f, *args):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_norm_and_swiglu_backward_keep_less_and_match_autodiff(dtype):
-    """model.rms_norm and model.swiglu_down have their own VJPs so that the backward keeps x and
+    """layers.rms_norm and layers.swiglu_down (imported through model) have their own VJPs so that the backward keeps x and
     1/rms (not two float32 copies of x), and g, u (not six [tokens, hidden] tensors): same
     gradients as autodiff of the plain formulas (float32: to rounding; the swiglu backward reuses
     autodiff's own arithmetic)."""

@@ -51,6 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from olmo_model import MoESpec
 
+from .layers import linear, swiglu_down
+
 ROUTING_MODES: tuple[str, ...] = ("learned", "random", "uniform")
 MX_BLOCK = 32  # elements sharing one e8m0 scale (OCP Microscaling spec v1.0)
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -407,8 +409,9 @@ def moe_block(
     out, computed = experts_fn(x, experts, weights, routed)
     if shared is not None:
         dtype = x.dtype
-        hidden = jax.nn.silu(x @ shared.gate.astype(dtype)) * (x @ shared.up.astype(dtype))
-        out = out + hidden @ shared.down.astype(dtype)
+        # The dense MLP's layers (layers.py): the backward keeps g and u, not six [T, hidden].
+        gate = linear(x, shared.gate.astype(dtype))
+        out = out + swiglu_down(gate, linear(x, shared.up.astype(dtype)), shared.down.astype(dtype))
     return out, routing_stats(logits, probs, experts, computed)
 
 
