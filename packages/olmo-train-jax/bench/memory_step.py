@@ -25,19 +25,9 @@ from flax import nnx
 from olmo_model import get_preset
 from olmo_model.recipe import load_recipe
 from olmo_train_jax import model as model_module
-from olmo_train_jax.layers import linear
+from olmo_train_jax.layers import plain_rms_norm, plain_swiglu_down
 from olmo_train_jax.model import REMAT_POLICIES, build_model
 from olmo_train_jax.train import make_optimizer, make_step_functions
-
-
-def plain_rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
-
-
-def plain_swiglu_down(g, u, w):
-    return linear(jax.nn.silu(g) * u, w)
 
 
 def residuals(spec, remat: str, seq: int) -> tuple[float, list[tuple[str, float]]]:

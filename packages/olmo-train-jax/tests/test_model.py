@@ -296,15 +296,9 @@ def test_norm_and_swiglu_backward_keep_less_and_match_autodiff(dtype):
     1/rms (not two float32 copies of x), and g, u (not six [tokens, hidden] tensors): same
     gradients as autodiff of the plain formulas (float32: to rounding; the swiglu backward reuses
     autodiff's own arithmetic)."""
-    from olmo_train_jax.model import linear, rms_norm, swiglu_down
-
-    def plain_norm(x, w, eps):
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        return (w.astype(jnp.float32) * xf).astype(x.dtype)
-
-    def plain_swiglu(g, u, w):
-        return linear(jax.nn.silu(g) * u, w)
+    from olmo_train_jax.layers import plain_rms_norm as plain_norm
+    from olmo_train_jax.layers import plain_swiglu_down as plain_swiglu
+    from olmo_train_jax.model import rms_norm, swiglu_down
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 24, 64)), dtype)

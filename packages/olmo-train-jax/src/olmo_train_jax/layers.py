@@ -101,3 +101,15 @@ def _rms_norm_bwd(eps, residuals, dy):
 
 
 rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+# The same functions by plain autodiff (what the custom VJPs replace): references for the test
+# of their gradients and for bench/memory_step.py --plain.
+def plain_rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def plain_swiglu_down(g: jax.Array, u: jax.Array, w: jax.Array) -> jax.Array:
+    return linear(_swiglu_hidden(g, u), w)
