@@ -208,7 +208,7 @@ def _cudnn_attention_problem(q: jax.Array, doc_ids: jax.Array | None) -> str | N
 
 
 def attention(
-    q, k, v, window: int | None, doc_ids: jax.Array | None = None, impl: str = "xla"
+    q, k, v, window: int | None, doc_ids: jax.Array | None = None, impl: str = "xla", batch_shards: int = 1
 ) -> jax.Array:
     """Causal attention of one layer, its kind static: q [B, S, N, H], k/v [B, S, K, H] (GQA
     when K < N), ``window`` the keys a query sees including itself (None: global), ``doc_ids``
@@ -220,7 +220,10 @@ def attention(
     the XLA path otherwise; ``xla``: global layers and short-sequence sliding layers run
     ``blocked_causal_attention`` (query blocks that skip the keys above the diagonal / outside
     the window, a backward that recomputes the probabilities; never an S x S array); sliding
-    layers with S >= ~4W the O(S W) blocked local path. Plain XLA compiles for any backend."""
+    layers with S >= ~4W the O(S W) blocked local path. Plain XLA compiles for any backend.
+    On XLA:CPU the blocked path loops over the batch rows, ``batch_shards`` (the devices the
+    batch axis is split over) at a time, which keeps one row's scores in cache
+    (``blocked_causal_attention(batch_loop=...)``); other backends take all rows at once."""
     S = q.shape[1]
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"jax.attention='{impl}' is unknown; use one of: {', '.join(ATTENTION_IMPLS)}")
@@ -235,7 +238,8 @@ def attention(
             )
     if window is not None and window < S and _blocking_pays(S, window):
         return _blocked_local_attention(q, k, v, window, doc_ids)
-    return blocked_causal_attention(q, k, v, window, doc_ids)
+    loop = batch_shards if jax.default_backend() == "cpu" else 0
+    return blocked_causal_attention(q, k, v, window, doc_ids, batch_loop=loop)
 
 
 class StackedLayers(nnx.Module):
@@ -284,7 +288,9 @@ class OlmoModel(nnx.Module):
 
     ``experts_fn`` computes the routed experts of MoE layers (``moe.ExpertsFn``); the
     default keeps all experts local, ``expert_parallel.apply_expert_parallel`` swaps in the
-    all-to-all version from outside."""
+    all-to-all version from outside. ``batch_shards``: how many devices the batch axis is
+    split over (the trainer sets it from the mesh before ``nnx.split``); XLA:CPU attention
+    loops over the batch that many rows at a time (``attention``)."""
 
     def __init__(
         self,
@@ -312,6 +318,7 @@ class OlmoModel(nnx.Module):
             raise ValueError(f"attention='{attention}' is unknown; use one of: {', '.join(ATTENTION_IMPLS)}")
         self.attention = attention
         self.experts_fn: ExpertsFn = local_experts
+        self.batch_shards = 1
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
         self.layers = StackedLayers(spec, rngs, param_dtype)
@@ -433,7 +440,7 @@ class OlmoModel(nnx.Module):
         if spec.qk_norm == "per_head":
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        attn = attention(q, k, v, window, doc_ids, self.attention)
+        attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards)
         o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
         h = x + (o if pre_norm else rms_norm(o, w["post_attention_norm"], eps))
         m_in = rms_norm(h, w["post_feedforward_norm"], eps) if pre_norm else h

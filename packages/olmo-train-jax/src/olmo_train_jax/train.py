@@ -284,10 +284,11 @@ def placed_step(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh_axes: d
     (default: every device on ``data``), the parameters and AdamW state placed with the step's
     own shardings (so the first timed step does not recompile): the trainer's step without a
     run dir, for benchmarks and tools. ``fns.fused(*carry, batch, lr)`` runs one step."""
+    mesh = sharding.make_mesh(mesh_axes or {"data": -1})
+    model.batch_shards = sharding.dp_size(mesh)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     del state
-    mesh = sharding.make_mesh(mesh_axes or {"data": -1})
     tx = make_optimizer(params, recipe)
     params_sh = sharding.param_shardings(params, spec, mesh)
     opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
@@ -430,6 +431,7 @@ def train(recipe: Recipe) -> Path:
     make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat,
                          attention=recipe.jax.attention)
     abstract_model = nnx.eval_shape(make_model)
+    abstract_model.batch_shards = sharding.dp_size(mesh)  # XLA:CPU attention loops over local rows
     if spec.moe is not None:
         # Routed experts per device under shard_map (all-to-all over the expert axis).
         apply_expert_parallel(abstract_model, mesh, mxfp8=recipe.moe.mxfp8)

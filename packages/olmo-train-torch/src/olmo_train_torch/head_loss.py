@@ -1,5 +1,7 @@
 """Output head + cross-entropy + z-loss over token chunks, with the gradient computed in the
-forward pass (the JAX trainer's ``olmo_train_jax.head_loss`` is the same algorithm).
+forward pass (the JAX trainer's ``olmo_train_jax.head_loss`` is the same algorithm, except
+that it never forms g: it scales the matmuls' thin operands instead, since XLA cannot rescale
+the chunk in place as ``mul_`` does here).
 
 The plain path keeps the logits of every token ([tokens, padded_vocab] float32: 1.6 GB for 4096
 tokens of the 100k Olmo 3 vocabulary), then log-softmax, its gradient and the gradient of the
