@@ -25,6 +25,7 @@ from olmo_train_jax.moe import (
     moe_metrics,
     rank_load_max_over_mean,
     route,
+    top_k_lowest_index_on_ties,
 )
 from olmo_train_torch.moe import MoE as TorchMoE
 
@@ -250,6 +251,30 @@ def test_block_matches_transformers_olmoe_sparse_moe_block(normalize):
     with jax.default_matmul_precision("highest"):
         got, _ = jax.jit(lambda x: moe_block(x, w.router[2], routed, None, spec.moe))(jnp.asarray(x.reshape(80, -1)))
     assert np.abs(np.asarray(got).reshape(x.shape) - want).max() <= 1e-5
+
+
+@pytest.mark.parametrize("n_experts", [8, 64])
+def test_top_k_takes_the_lower_index_among_ties_like_a_stable_sort(n_experts):
+    """The argmax-pass top-k against numpy's stable argsort of -x (the reference's rule) on
+    scores full of ties, and its gradient against jax.lax.top_k's on distinct scores."""
+    rng = np.random.default_rng(n_experts)
+    tied = rng.integers(0, 4, (512, n_experts)).astype(np.float32)  # ~n/4 equal values per row
+    values, indices = jax.jit(top_k_lowest_index_on_ties, static_argnums=1)(jnp.asarray(tied), 4)
+    want = np.argsort(-tied, axis=-1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(np.asarray(indices), want)
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(tied, want, axis=-1))
+    assert indices.dtype == jnp.int32
+
+    x = jnp.asarray(rng.standard_normal((256, n_experts)).astype(np.float32))
+    weights = jnp.asarray(rng.standard_normal((256, 4)).astype(np.float32))
+
+    def loss(top_k, x):
+        return jnp.sum(top_k(jax.nn.softmax(x), 4)[0] * weights)
+
+    ours = jax.grad(lambda x: loss(top_k_lowest_index_on_ties, x))(x)
+    theirs = jax.grad(lambda x: loss(jax.lax.top_k, x))(x)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=1e-6, atol=1e-8)
+    assert np.abs(np.asarray(ours)).max() > 1e-3  # the gradient is not trivially zero
 
 
 def test_random_routing_is_near_uniform_and_reproducible():

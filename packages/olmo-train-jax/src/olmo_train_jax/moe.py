@@ -3,8 +3,8 @@
 Maths (the contract shared with the Torch trainer and ``olmo_model.reference``):
 
 - router logits ``r = x @ W_router`` in float32; probabilities ``p = softmax(r)`` (or
-  ``sigmoid(r)``); each token takes the top-k of ``p`` (``lax.top_k`` puts the lower expert
-  index first among equal values, as the reference's stable sort does); weights
+  ``sigmoid(r)``); each token takes the top-k of ``p`` (``top_k_lowest_index_on_ties`` puts the
+  lower expert index first among equal values, as the reference's stable sort does); weights
   ``w = p[top-k]``, renormalised to sum 1 if ``normalize_top_k``;
 - ``out = sum_k w_k SwiGLU_{e_k}(x) + sum_s SwiGLU_shared_s(x)``; the shared experts are
   stored concatenated along their hidden axis, which is the same sum computed as one SwiGLU;
@@ -110,6 +110,25 @@ def softmax_and_logsumexp(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return e / total[..., None], jnp.log(total) + shift[..., 0]
 
 
+def top_k_lowest_index_on_ties(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(values, indices int32) of the k largest entries along the last axis, largest first and
+    the lower index first among equal values (``jax.lax.top_k``'s order, and the torch
+    trainer's ``top_k_lowest_index_on_ties``), for finite ``x``. k passes of argmax over E
+    instead of ``lax.top_k``, which XLA:CPU ran inside the train step as a full sort of the
+    [T, E] scores: 19 of 65 ms of the benchmark's 64-expert block step (``bench/bench_moe.py``:
+    65 -> 47 ms at 64 experts, 39 ms either way at 8). The values are gathered from ``x``, so
+    the gradient reaches the chosen entries as ``lax.top_k``'s does."""
+    cols = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    scores = jax.lax.stop_gradient(x)
+    picked = []
+    for _ in range(k):
+        i = jnp.argmax(scores, axis=-1).astype(jnp.int32)  # the first maximum: the lowest index
+        picked.append(i)
+        scores = jnp.where(cols == i[..., None], -jnp.inf, scores)
+    indices = jnp.stack(picked, axis=-1)
+    return jnp.take_along_axis(x, indices, axis=-1), indices
+
+
 def route(
     logits: jax.Array, moe: MoESpec, mode: str = "learned", key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -118,13 +137,13 @@ def route(
     probs = softmax_and_logsumexp(logits)[0] if moe.gating == "softmax" else jax.nn.sigmoid(logits)
     n_tokens, n_experts, k = logits.shape[0], moe.n_experts, moe.top_k
     if mode == "learned":
-        weights, experts = jax.lax.top_k(probs, k)
+        weights, experts = top_k_lowest_index_on_ties(probs, k)
         if moe.normalize_top_k:
             weights = weights / row_sum(weights)[..., None]
     elif mode == "random":
         if key is None:
             raise ValueError("routing='random' needs a PRNG key (routing_key) derived from (seed, step)")
-        scores, experts = jax.lax.top_k(jax.random.uniform(key, (n_tokens, n_experts), jnp.float32), k)
+        scores, experts = top_k_lowest_index_on_ties(jax.random.uniform(key, (n_tokens, n_experts), jnp.float32), k)
         weights = softmax_and_logsumexp(scores)[0]
     elif mode == "uniform":
         experts = jnp.arange(n_tokens * k, dtype=jnp.int32).reshape(n_tokens, k) % n_experts
