@@ -6,7 +6,7 @@ tables compare.
 
 Part 1, one device: forward+backward tokens/s of one MoE block (d_model 128, top-4,
 expert_hidden 64, one shared expert of 64; loss = mean(out^2) + 0.01 x load balancing, the
-train step's gradient work) as the pool grows 8 -> 16 -> 32 -> 64 experts. Active parameters
+train step's gradient work) as the pool grows 8 -> 16 -> 32 -> 64 -> 128 experts. Active parameters
 per token stay constant (4 routed + 1 shared SwiGLU of width 64), so an ideal implementation
 keeps tokens/s flat; what grows is the router (d x E), the sort and the per-expert groups.
 
@@ -91,7 +91,7 @@ def best_times(fns: dict, repeats: int) -> dict:
 def scaling(tokens: int, repeats: int) -> list[dict]:
     x = jax.random.normal(jax.random.key(1), (tokens, D_MODEL), jnp.float32)
     fns = {}
-    for n_experts in (8, 16, 32, 64):
+    for n_experts in (8, 16, 32, 64, 128):  # 128: the anchor's pool (8 -> 128 on 8 B300)
         moe, params = make_block(n_experts)
         step = train_step_fn(moe, "learned", local_experts)
         fns[n_experts] = functools.partial(step, params, x)

@@ -3,7 +3,7 @@
     uv run --frozen python packages/olmo-train-torch/bench/bench_moe.py [--tokens 2048] [--repeats 10]
 
 Part 1, one process: forward+backward tokens/s of one MoE block (d_model 128, top-4,
-expert_hidden 64, one shared expert of 64) as the pool grows 8 -> 16 -> 32 -> 64 experts;
+expert_hidden 64, one shared expert of 64) as the pool grows 8 -> 16 -> 32 -> 64 -> 128 experts;
 active parameters per token stay constant (4 routed + 1 shared SwiGLU of width 64), so an
 ideal implementation keeps tokens/s flat. Both grouped-GEMM backends (``torch._grouped_mm``
 and the per-expert loop) side by side.
@@ -79,7 +79,7 @@ def best_times(fns: dict, repeats: int) -> dict:
 def scaling(tokens: int, repeats: int) -> list[dict]:
     x = torch.randn(tokens, D_MODEL)
     blocks = {}
-    for n_experts in (8, 16, 32, 64):
+    for n_experts in (8, 16, 32, 64, 128):  # 128: the anchor's pool (8 -> 128 on 8 B300)
         for gemm in ("grouped_mm", "loop"):
             blocks[n_experts, gemm] = make_block(n_experts)
             blocks[n_experts, gemm].experts.gemm = gemm
