@@ -10,6 +10,10 @@ train step's gradient work) as the pool grows 8 -> 16 -> 32 -> 64 -> 128 experts
 per token stay constant (4 routed + 1 shared SwiGLU of width 64), so an ideal implementation
 keeps tokens/s flat; what grows is the router (d x E), the sort and the per-expert groups.
 
+Part 1b: the same step at 8 / 64 / 128 experts with the router's top-k as ``jax.lax.top_k``
+(before session 6: XLA:CPU ran it inside the step as a full sort) and as
+``moe.top_k_lowest_index_on_ties``, interleaved.
+
 Part 2, 4 simulated devices (``--xla_force_host_platform_device_count=4``, set below before
 JAX starts), the block's experts split over an ``expert`` axis of 4, two ways side by side:
 
@@ -99,6 +103,29 @@ def scaling(tokens: int, repeats: int) -> list[dict]:
     return [{"experts": e, "seconds": t, "tokens_per_s": tokens / t} for e, t in best.items()]
 
 
+def top_k_before_and_after(tokens: int, repeats: int) -> list[dict]:
+    """Part 1's step at 8 / 64 / 128 experts with the router's top-k as ``jax.lax.top_k`` (what
+    the block used before session 6) and as ``moe.top_k_lowest_index_on_ties`` (k argmax
+    passes), interleaved in one run."""
+    import olmo_train_jax.moe as moe_module
+
+    x = jax.random.normal(jax.random.key(1), (tokens, D_MODEL), jnp.float32)
+    fns = {}
+    ours = moe_module.top_k_lowest_index_on_ties
+    for top_k_name, top_k in (("lax.top_k", jax.lax.top_k), ("argmax passes", ours)):
+        moe_module.top_k_lowest_index_on_ties = top_k  # what route() calls while it is traced
+        try:
+            for n_experts in (8, 64, 128):
+                moe, params = make_block(n_experts)
+                step = train_step_fn(moe, "learned", local_experts)
+                jax.block_until_ready(step(params, x))  # traced and compiled with this top-k
+                fns[top_k_name, n_experts] = functools.partial(step, params, x)
+        finally:
+            moe_module.top_k_lowest_index_on_ties = ours
+    best = best_times(fns, repeats)
+    return [{"top_k": name, "experts": e, "seconds": t} for (name, e), t in best.items()]
+
+
 def allgather_experts(mesh):
     """The FSDP-style ExpertsFn: gather every expert's weights, compute this device's tokens."""
     tokens = P((EXPERT_AXIS,))
@@ -160,6 +187,10 @@ def main() -> None:
     print("| experts | step ms | tokens/s |\n|---:|---:|---:|")
     for r in scaling(args.tokens, args.repeats):
         print(f"| {r['experts']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} |")
+    print("\npart 1b: the router's top-k, before (jax.lax.top_k) and now (argmax passes)")
+    print("| top-k | experts | step ms |\n|---|---:|---:|")
+    for r in top_k_before_and_after(args.tokens, args.repeats):
+        print(f"| {r['top_k']} | {r['experts']} | {r['seconds'] * 1e3:.1f} |")
     print(f"\npart 2: {EP} devices, experts split over expert={EP}, uniform routing")
     print("| experts | how | step ms | tokens/s (all devices) | MiB sent per device per step |")
     print("|---:|---|---:|---:|---:|")
