@@ -15,7 +15,8 @@ another expert (measured: fsdp 2 x expert 2 vs one device, 1024 tokens per step,
 at step 5 until session 4, step 3 since the dense projections' weight gradient contracts
 over one flattened token axis, ``model.linear``: a different summation order, the same
 maths; in session 6, with XLA:CPU attention looping over batch rows, no flip within 20
-steps on that mesh (losses within 4.8e-6), while data 1 x expert 4 flips at step 3). Which
+steps on that mesh (losses within 4.8e-6), while data 1 x expert 4 flips at step 3; on the
+embedded sample mixture instead, ``bench/layout_drift.py``: step 12 and step 16). Which
 step flips first is a property of rounding order, not of correctness, so the
 test finds it and checks the losses up to it; routing must be identical for at least the
 first MIN_SAME_ROUTING_STEPS steps (step 1 from identical weights, step 2 after one update).
