@@ -7,6 +7,9 @@ micro-batch layouts derived by hand.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import jax
@@ -115,6 +118,36 @@ def test_fused_head_loss_chunk_is_sized_per_device():
     assert chunk_positions(512 // 64, 8192, 100352) == 64
     assert chunk_positions(512, 8192, 100352) == 1
     assert chunk_positions(2, 48, 4096) == 48  # tiny shapes: one chunk
+
+
+def test_fused_head_loss_reduces_the_head_gradient_once_per_chunk_under_data_parallel():
+    """On data 2 x tensor 2 (head split over the vocabulary), the chunk loop's compiled body
+    all-reduces the head gradient once (its matmul) and the first chunk plus the onehot part
+    outside the loop once each: the onehot part is taken for the whole batch, not per chunk,
+    where it doubled the per-chunk head-gradient traffic."""
+    code = """
+import re
+import jax, jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from olmo_train_jax.head_loss import head_loss_sums
+mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+x = jax.device_put(jnp.ones((4, 64, 128)), NamedSharding(mesh, P("data")))
+head = jax.device_put(jnp.ones((128, 4096)), NamedSharding(mesh, P(None, "tensor")))
+labels = jax.device_put(jnp.ones((4, 64), jnp.int32), NamedSharding(mesh, P("data")))
+grad = jax.jit(jax.grad(lambda x, h: head_loss_sums(x, h, labels, 1e-4, chunk=16, batch_shards=2)[0], argnums=(0, 1)))
+hlo = grad.lower(x, head).compile().as_text()
+bodies = set(re.findall(r"body=%?([\\w.-]+)", hlo))
+computations = re.split(r"\\n(?=\\S)", hlo)
+shard = re.compile(r"= f32\\[128,2048\\]\\S* all-reduce\\(")
+in_loop = sum(len(shard.findall(c)) for c in computations if c.split(" ", 1)[0].lstrip("%") in bodies)
+print(in_loop, len(shard.findall(hlo)))
+"""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    in_loop, total = map(int, done.stdout.split())
+    assert in_loop == 1, done.stdout
+    assert total == 3, done.stdout  # first chunk, the loop body, the onehot part
 
 
 def test_fused_head_loss_chunk_must_divide_sequence():

@@ -9,10 +9,11 @@ gradient. Here the logits of one chunk of positions exist at a time:
   and z-loss sums, and at once d x_c and the chunk's share of d head from the gradient of
   ``ce + z_weight * z`` with respect to the logits, ``a e - onehot`` (e = exp(logits - max),
   a = (1 + 2 z_weight lse) / sum e per row). That gradient is never formed: ``a`` scales the
-  thin sides of the two matmuls that read e, and the onehot part is a gather of head columns
-  (d x) and a scatter-add of x rows (d head), which saves one pass over the [rows, vocab]
+  thin sides of the two matmuls that read e, which saves one pass over the [rows, vocab]
   chunk (olmo3-30m, seq 512, batch 8: head + loss 3.32 -> 3.10 s, ``bench_train.py --pieces``);
-  the chunk's logits are then dropped;
+  the onehot part, a gather of head columns (d x) and a scatter-add of x rows (d head), is
+  taken once for the whole batch (per chunk, a data-parallel step all-reduced it per chunk
+  too: twice the head-gradient traffic); the chunk's logits are then dropped;
 - backward: the saved gradients times the incoming cotangent of the (scalar) objective.
 
 So a training step does the usual three head matmuls (no recomputation: model FLOPs stay
@@ -93,21 +94,20 @@ def _objective(x, head, labels, z_weight, chunk):
 
 
 def _objective_fwd(x, head, labels, z_weight, chunk):
+    # d(ce + w z)/d logits = a e - onehot(label) with a = (1 + 2 w lse) / s per row (zero where
+    # ignored). Never materialised: per chunk, a scales the thin sides of the two matmuls,
+    # which read e as it is (one [rows, vocab] pass fewer than forming the gradient); the
+    # onehot part, a gather of head columns (d x) and a scatter-add of x rows (d head), is
+    # taken once for the whole batch, so a data-parallel step reduces it once, not per chunk.
+    precision = matmul_precision(x.dtype)
+
     def chunk_grads(x_c, labels_c):
-        _, e, s, lse, valid, safe, ce, z = _chunk_sums(x_c, head, labels_c)
-        # d(ce + w z)/d logits = a e - onehot(label) with a = (1 + 2 w lse) / s per row (zero
-        # where ignored). Never materialised: a scales the thin sides of the two matmuls, which
-        # read e as it is, and the onehot part is a gather of head columns (d x) and a scatter
-        # of x rows (d head): one [rows, vocab] pass fewer than forming the gradient.
+        _, e, s, lse, valid, _, ce, z = _chunk_sums(x_c, head, labels_c)
         a = jnp.where(valid, 1.0 + 2.0 * z_weight * lse, 0.0)[..., None] / s
-        precision = matmul_precision(x_c.dtype)
         e = e.astype(x_c.dtype)
         dx_c = a * jnp.einsum("bcv,dv->bcd", e, head, preferred_element_type=jnp.float32, precision=precision)
-        dx_c = dx_c - jnp.where(valid[..., None], jnp.take(head, safe, axis=1).transpose(1, 2, 0), 0.0)
         ax = (a * x_c.astype(jnp.float32)).astype(x_c.dtype)
         dhead_c = jnp.einsum("bcd,bcv->dv", ax, e, preferred_element_type=jnp.float32, precision=precision)
-        rows = jnp.where(valid[..., None], x_c, 0).astype(jnp.float32).reshape(-1, x_c.shape[-1])
-        dhead_c = dhead_c.at[:, safe.reshape(-1)].add(-rows.T)
         return ce, z, dhead_c, dx_c
 
     def body(carry, xs):
@@ -116,12 +116,18 @@ def _objective_fwd(x, head, labels, z_weight, chunk):
         return (ce_acc + ce, z_acc + z, dhead + dhead_c), dx_c
 
     # The first chunk starts the sums (no zero-filled [d, V] buffer and no add of it: at 100k
-    # vocab both are whole passes over the head's size); the scan adds the others.
+    # vocab both are whole passes over the head's size), the onehot part goes into it in
+    # place, and the scan adds the other chunks.
     x_chunks, label_chunks = _chunks(x, chunk), _chunks(labels, chunk)
     ce, z, dhead, dx_first = chunk_grads(x_chunks[0], label_chunks[0])
+    valid = labels != IGNORE_INDEX
+    safe = jnp.where(valid, labels, 0)
+    rows = jnp.where(valid[..., None], x, 0).astype(jnp.float32).reshape(-1, x.shape[-1])
+    dhead = dhead.at[:, safe.reshape(-1)].add(-rows.T)
     (ce, z, dhead), dx_rest = jax.lax.scan(body, (ce, z, dhead), (x_chunks[1:], label_chunks[1:]))
-    dx = _unchunk(jnp.concatenate([dx_first[None], dx_rest])).astype(x.dtype)
-    return (ce + z_weight * z, ce, z), (dx, dhead.astype(head.dtype))
+    dx = _unchunk(jnp.concatenate([dx_first[None], dx_rest]))
+    dx = dx - jnp.where(valid[..., None], jnp.take(head, safe, axis=1).transpose(1, 2, 0), 0.0)
+    return (ce + z_weight * z, ce, z), (dx.astype(x.dtype), dhead.astype(head.dtype))
 
 
 def _objective_bwd(z_weight, chunk, residuals, cotangents):
