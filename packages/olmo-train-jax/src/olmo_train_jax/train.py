@@ -279,24 +279,46 @@ def make_step_functions(
     )
 
 
-def placed_step(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh_axes: dict[str, int] | None = None):
-    """(StepFunctions, [params, opt_state]) for a freshly built dense ``model`` on a mesh
-    (default: every device on ``data``), the parameters and AdamW state placed with the step's
-    own shardings (so the first timed step does not recompile): the trainer's step without a
-    run dir, for benchmarks and tools. ``fns.fused(*carry, batch, lr)`` runs one step."""
-    mesh = sharding.make_mesh(mesh_axes or {"data": -1})
+@dataclass
+class MeshModel:
+    """A model made ready for a mesh and split: its graphdef, its parameters (a pure dict,
+    concrete or abstract, as the model was), the optimizer and the shardings of both states."""
+
+    graphdef: Any
+    params: dict
+    tx: optax.GradientTransformation
+    params_sh: dict
+    abstract_opt: Any
+    opt_sh: Any
+
+
+def for_mesh(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh: jax.sharding.Mesh) -> MeshModel:
+    """What the trainer and ``placed_step`` both do to a freshly built model before its step:
+    tell it how many devices share the batch (XLA:CPU attention loops over each device's own
+    rows), route MoE experts per device (an all-to-all over the expert axis), split it, and
+    derive the optimizer and the parameter / AdamW-state shardings."""
     model.batch_shards = sharding.dp_size(mesh)
+    if spec.moe is not None:
+        apply_expert_parallel(model, mesh, mxfp8=recipe.moe.mxfp8)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    del state
     tx = make_optimizer(params, recipe)
     params_sh = sharding.param_shardings(params, spec, mesh)
-    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
-    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
-    carry = [jax.device_put(params, params_sh)]
-    del params
-    carry.append(jax.jit(tx.init, out_shardings=opt_sh)(carry[0]))
-    return fns, carry
+    abstract_opt = jax.eval_shape(tx.init, params)
+    opt_sh = sharding.state_shardings(abstract_opt, params_sh, mesh)
+    return MeshModel(graphdef, params, tx, params_sh, abstract_opt, opt_sh)
+
+
+def placed_step(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh_axes: dict[str, int] | None = None):
+    """(StepFunctions, [params, opt_state]) for a freshly built ``model`` on a mesh (default:
+    every device on ``data``), the parameters and AdamW state placed with the step's own
+    shardings (so the first timed step does not recompile): the trainer's step without a run
+    dir, for benchmarks and tools. ``fns.fused(*carry, batch, lr)`` runs one step."""
+    mesh = sharding.make_mesh(mesh_axes or {"data": -1})
+    m = for_mesh(model, spec, recipe, mesh)
+    fns = make_step_functions(m.graphdef, spec, recipe, m.tx, m.params_sh, m.opt_sh, mesh)
+    params = jax.device_put(m.params, m.params_sh)
+    return fns, [params, jax.jit(m.tx.init, out_shardings=m.opt_sh)(params)]
 
 
 # ---- throughput reference --------------------------------------------------------------------
@@ -430,17 +452,9 @@ def train(recipe: Recipe) -> Path:
     compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
     make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat,
                          attention=recipe.jax.attention)
-    abstract_model = nnx.eval_shape(make_model)
-    abstract_model.batch_shards = sharding.dp_size(mesh)  # XLA:CPU attention loops over local rows
-    if spec.moe is not None:
-        # Routed experts per device under shard_map (all-to-all over the expert axis).
-        apply_expert_parallel(abstract_model, mesh, mxfp8=recipe.moe.mxfp8)
-    graphdef, abstract_state = nnx.split(abstract_model)
-    abstract_params = nnx.to_pure_dict(abstract_state)
-    params_sh = sharding.param_shardings(abstract_params, spec, mesh)
-    tx = make_optimizer(abstract_params, recipe)
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_sh = sharding.state_shardings(abstract_opt, params_sh, mesh)
+    prepared = for_mesh(nnx.eval_shape(make_model), spec, recipe, mesh)
+    graphdef, abstract_params, tx = prepared.graphdef, prepared.params, prepared.tx
+    params_sh, abstract_opt, opt_sh = prepared.params_sh, prepared.abstract_opt, prepared.opt_sh
     init_opt = jax.jit(tx.init, out_shardings=opt_sh)
 
     guard = SpikeGuard.from_recipe(recipe)
