@@ -279,7 +279,9 @@ def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
     if proc.returncode or not metrics.exists():
         tail = [ln for ln in (logs / f"cli-{framework}.log").read_text().splitlines() if ln.strip()][-3:]
         return {"name": name, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-600:]}
-    lines = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
+    from olmo_model.runlog import read_metrics
+
+    lines = read_metrics(run_dir)
     train = [ln for ln in lines if ln["kind"] == "train"]
     evals = [ln for ln in lines if ln["kind"] == "eval"]
     steady = train[3:] or train

@@ -202,6 +202,15 @@ _NORMS_TO_OLMOE = {
 }
 
 
+def _rename_norm(name: str, table: Mapping[str, str]) -> str:
+    """model.layers.L.<suffix> -> model.layers.L.<table[suffix]> for the norm suffixes in table."""
+    parts = name.split(".")
+    suffix = ".".join(parts[3:])
+    if name.startswith("model.layers.") and suffix in table:
+        return ".".join(parts[:3]) + "." + table[suffix]
+    return name
+
+
 def olmoe_state_dict(tensors: Mapping[str, np.ndarray], spec: ModelSpec) -> dict[str, np.ndarray]:
     """A whole model's tensors (our HF names, as ``to_hf`` writes them) -> an
     ``OlmoeForCausalLM.state_dict()`` of transformers 5 (fused experts, OLMoE norm names)."""
@@ -210,10 +219,7 @@ def olmoe_state_dict(tensors: Mapping[str, np.ndarray], spec: ModelSpec) -> dict
     for name, value in tensors.items():
         if ".mlp." in name:
             continue  # each layer's MoE block below
-        parts = name.split(".")
-        if name.startswith("model.layers.") and ".".join(parts[3:]) in _NORMS_TO_OLMOE:
-            name = ".".join(parts[:3]) + "." + _NORMS_TO_OLMOE[".".join(parts[3:])]
-        out[name] = np.asarray(value)
+        out[_rename_norm(name, _NORMS_TO_OLMOE)] = np.asarray(value)
     for layer in range(spec.n_layers):
         for key, value in olmoe_block_tensors(tensors, spec, layer).items():
             out[f"model.layers.{layer}.mlp.{key}"] = value
@@ -232,9 +238,7 @@ def tensors_from_olmoe(state: Mapping[str, np.ndarray], spec: ModelSpec) -> dict
         if name.startswith("model.layers.") and parts[3] == "mlp":
             blocks.setdefault(int(parts[2]), {})[".".join(parts[4:])] = np.asarray(value)
             continue
-        if name.startswith("model.layers.") and ".".join(parts[3:]) in back:
-            name = ".".join(parts[:3]) + "." + back[".".join(parts[3:])]
-        out[name] = np.asarray(value)
+        out[_rename_norm(name, back)] = np.asarray(value)
     for layer in range(spec.n_layers):
         if layer not in blocks:
             raise SpecError(f"tensors_from_olmoe: layer {layer} has no mlp tensors; the spec has {spec.n_layers} layers")

@@ -2,9 +2,9 @@
 
 Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
 
-- reordered-norm blocks (``spec.norm_placement="pre"``: the norms on the sublayer inputs,
-  OLMoE's pre-norm): h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
-  norms; a final RMSNorm, then an untied output head over the padded vocabulary;
+- reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
+  norms (``spec.norm_placement="pre"``, OLMoE's pre-norm: h = x + attn(RMSNorm(x)); out =
+  h + mlp(RMSNorm(h))); a final RMSNorm, then an untied output head over the padded vocabulary;
 - QK-norm over the full projected width, before the head split and before RoPE
   (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
 - RoPE in the rotate-half layout, inverse frequencies in float32 as transformers computes
@@ -125,8 +125,6 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return (xf * cos + rotated * sin).astype(x.dtype)
-
-
 
 
 def scan_period(layer_types: tuple[str, ...]) -> int:

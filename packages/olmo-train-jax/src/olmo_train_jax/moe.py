@@ -114,10 +114,10 @@ def top_k_lowest_index_on_ties(x: jax.Array, k: int) -> tuple[jax.Array, jax.Arr
     """(values, indices int32) of the k largest entries along the last axis, largest first and
     the lower index first among equal values (``jax.lax.top_k``'s order, and the torch
     trainer's ``top_k_lowest_index_on_ties``), for finite ``x``. k passes of argmax over E
-    instead of ``lax.top_k``, which XLA:CPU ran inside the train step as a full sort of the
-    [T, E] scores: 19 of 65 ms of the benchmark's 64-expert block step (``bench/bench_moe.py``:
-    65 -> 47 ms at 64 experts, 39 ms either way at 8). The values are gathered from ``x``, so
-    the gradient reaches the chosen entries as ``lax.top_k``'s does."""
+    instead of ``lax.top_k``, which XLA:CPU ran inside the block's gradient step as a full sort
+    of the [T, E] scores (``bench/bench_moe.py`` part 1b, session 6: 68.0 -> 51.2 ms at 64
+    experts, 90.4 -> 64.0 ms at 128, 46.7 -> 43.6 ms at 8). The values are gathered from
+    ``x``, so the gradient reaches the chosen entries as ``lax.top_k``'s does."""
     cols = jnp.arange(x.shape[-1], dtype=jnp.int32)
     scores = jax.lax.stop_gradient(x)
     picked = []
