@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from olmo_model import load_spec
+from olmo_model import fp32_mean_tolerance, load_spec
 from olmo_tools.parity import main
 from olmo_tools.train_parity import check_thresholds
 
@@ -66,8 +66,10 @@ def test_both_start_from_the_exported_weights(parity, run_helpers):
     with torch.no_grad():
         logits = model(torch.from_numpy(batch["input_ids"].astype(np.int64))).logits.double()
     expected = run_helpers.loss_from_logits(logits, batch, load_spec("tiny").z_loss_weight)
-    assert report["loss_torch"][0] == pytest.approx(expected, abs=1e-5)
-    assert report["loss_jax"][0] == pytest.approx(expected, abs=1e-5)
+    # fp32 against transformers in float64 on the same weights: the loss sum's rounding alone.
+    tol = fp32_mean_tolerance(expected, int((batch["labels"] != -100).sum()), both_fp32=False)
+    assert report["loss_torch"][0] == pytest.approx(expected, abs=tol)
+    assert report["loss_jax"][0] == pytest.approx(expected, abs=tol)
 
 
 def test_thresholds_decide_the_verdict():

@@ -1,11 +1,11 @@
 """``olmo-train-jax`` with expert parallelism (``jax.mesh.expert``), tiny-moe, CPU, fp32,
 simulated devices in subprocesses:
 
-- uniform routing, expert=4 vs one device: 20 steps within 1e-5, the same perfectly
+- uniform routing, expert=4 vs one device: 20 steps within the fp32 bound of a reordered loss sum, the same perfectly
   balanced expert counts, rank load 1.0 with the real EP size, nothing dropped;
 - random routing on expert=2: exact (bitwise) resume after a SIGKILL, and the same
   checkpoint resumed on expert=4 (Orbax reshards the expert weights and their moments)
-  follows within 1e-5, since random routing draws from (seed, step, micro-step, layer)
+  follows within that bound, since random routing draws from (seed, step, micro-step, layer)
   over the global micro-batch whatever the layout;
 - bad meshes are refused with one line naming jax.mesh.expert.
 
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
-from olmo_model import get_preset
+from olmo_model import fp32_mean_tolerance, get_preset
 from olmo_model.recipe import RecipeError
 from olmo_model.runlog import complete_checkpoints, read_metrics
 from olmo_train_jax import sharding
@@ -73,7 +73,8 @@ def test_expert_parallel_uniform_routing_follows_one_device_for_20_steps(mixture
     # Uniform: token t -> experts (t*k + j) mod E, so each expert gets exactly T*k/E per layer.
     balanced = [spec.n_layers * 512 * spec.moe.top_k // spec.moe.n_experts] * spec.moe.n_experts
     for s in range(1, STEPS + 1):
-        assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-5, (s, a[s]["loss"], b[s]["loss"])
+        # The layouts reorder the fp32 sum of the step's 512 token losses (test_train.loss_tolerance).
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= fp32_mean_tolerance(a[s]["loss"], 512), (s, a[s]["loss"], b[s]["loss"])
         assert a[s]["moe_tokens_per_expert"] == b[s]["moe_tokens_per_expert"] == balanced
         assert b[s]["moe_rank_load_max_over_mean"] == 1.0
         assert b[s]["moe_dropped_tokens"] == 0
@@ -110,7 +111,8 @@ def test_exact_resume_on_expert_two_and_resharded_resume_on_expert_four(mixture,
     assert "resumed from" in ep4.stdout
     moved = _train_records(resharded)
     for s in range(5, RESUME_STEPS + 1):
-        assert abs(moved[s]["loss"] - want[s]["loss"]) <= 1e-5, (s, moved[s]["loss"], want[s]["loss"])
+        tol = fp32_mean_tolerance(want[s]["loss"], 512)
+        assert abs(moved[s]["loss"] - want[s]["loss"]) <= tol, (s, moved[s]["loss"], want[s]["loss"])
         assert moved[s]["moe_tokens_per_expert"] == want[s]["moe_tokens_per_expert"], s
     # Random routing is near-uniform, so no expert rank carries much more than its share.
     assert all(1.0 <= moved[s]["moe_rank_load_max_over_mean"] < 1.1 for s in range(5, RESUME_STEPS + 1))

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from olmo_data import MixtureLoader, load_mixture
+from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import load_recipe
 from olmo_model.runlog import TRAIN_KEYS, complete_checkpoints, read_meta, read_metrics
 from olmo_train_jax.cli import main
@@ -74,8 +75,12 @@ def run_subprocess(args: list[str], devices: int = 1, kill_after: int | None = N
     )
 
 
+def train_records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+    return {s: r["loss"] for s, r in train_records(run_dir).items()}
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -144,12 +149,26 @@ def test_exact_resume_after_sigkill(mixture, one_device_run, tmp_path):
     assert snapshot(run_dir) == before
 
 
+def loss_tolerance(loss: float) -> float:
+    """Two layouts reorder the fp32 sum of a step's 16 x 64 token losses; fp32_mean_tolerance
+    derives how far that alone moves the logged mean (4.5e-5 at loss 8.3). The weights' own
+    drift (Adam turning last-bit gradient differences into update differences) stays below
+    it over these 20 steps: the largest 1- vs 8-device gap measured was 1.05e-5 (an AMD
+    Zen 4, at step 16), against 1.9e-6 already at step 1 from the loss sum alone."""
+    return fp32_mean_tolerance(loss, 16 * 64)
+
+
 def test_eight_devices_match_one_device(one_device_run, eight_device_run):
-    one, eight = train_losses(one_device_run), train_losses(eight_device_run)
+    one, eight = train_records(one_device_run), train_records(eight_device_run)
     assert sorted(eight) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
-        assert abs(one[s] - eight[s]) <= 1e-5, (s, one[s], eight[s])
-    assert one[STEPS] < one[1]
+        a, b = one[s], eight[s]
+        assert abs(a["loss"] - b["loss"]) <= loss_tolerance(a["loss"]), (s, a["loss"], b["loss"])
+        # The grad norm sees every gradient: a normalisation or reduction bug in one layout moves
+        # it by a factor (x2 for a sum taken twice); rounding drift reached 4e-5 relative by step 20.
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (s, a["grad_norm"], b["grad_norm"])
+    # The comparison means something only if training moves the loss far more than the bound.
+    assert one[1]["loss"] - one[STEPS]["loss"] > 50 * loss_tolerance(one[1]["loss"])
 
 
 def test_elastic_resume_on_two_devices(mixture, eight_device_run, tmp_path):
@@ -163,7 +182,7 @@ def test_elastic_resume_on_two_devices(mixture, eight_device_run, tmp_path):
     assert "batch layout: global batch 16 = 2 per device x 1 data-parallel x 8 accumulation" in done.stdout
     want, got = train_losses(eight_device_run), train_losses(run_dir)
     for s in range(11, STEPS + 1):
-        assert abs(got[s] - want[s]) <= 1e-5, (s, got[s], want[s])
+        assert abs(got[s] - want[s]) <= loss_tolerance(want[s]), (s, got[s], want[s])
 
     # The global batches after the resume: from the checkpoint's loader state, read as two
     # ranks, they equal the uninterrupted order read as eight ranks.
@@ -300,7 +319,9 @@ def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
     z = (torch.logsumexp(logits, dim=-1) ** 2)[valid].sum()
     want = float((ce + spec.z_loss_weight * z) / valid.sum())
-    assert abs(train_losses(run_dir)[1] - want) <= 1e-5, (train_losses(run_dir)[1], want)
+    # fp32 against a float64 reference on the same weights: the loss sum's rounding alone.
+    tol = fp32_mean_tolerance(want, int(valid.sum()), both_fp32=False)
+    assert abs(train_losses(run_dir)[1] - want) <= tol, (train_losses(run_dir)[1], want)
 
 
 def test_init_from_our_checkpoint_takes_its_weights_and_moments(mixture, one_device_run, tmp_path):

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import RecipeError, batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard, complete_checkpoints
 from olmo_train_torch.model import build_model
@@ -58,7 +59,9 @@ def test_ep4_follows_ep1_for_20_steps_and_drops_nothing(harness, mixture, tmp_pa
     assert want[-1]["loss"] < want[0]["loss"] - 0.5, "the run does not learn"
     for a, b in zip(want, got):
         assert a["batch_digest"] == b["batch_digest"]
-        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+        # 1 vs 4 ranks reorder the fp32 sums of the step's 16 x 64 token losses (the bound's derivation:
+        # olmo_model.fp32_mean_tolerance); learned routing's flips, kept small by the lr above, add to it.
+        assert abs(a["loss"] - b["loss"]) <= fp32_mean_tolerance(a["loss"], 16 * 64), (a["step"], a["loss"], b["loss"])
     for r in got:
         counts = np.array(r["moe_tokens_per_expert"])
         assert r["moe_dropped_tokens"] == 0
@@ -104,7 +107,7 @@ def test_ep2_checkpoint_resumes_on_one_process_with_experts_resharded(harness, m
     want = {r["step"]: r for r in harness.train_lines(reference)}
     for r in harness.train_lines(run_dir)[2:]:
         assert r["step"] in (3, 4) and r["batch_digest"] == want[r["step"]]["batch_digest"]
-        assert abs(r["loss"] - want[r["step"]]["loss"]) <= 1e-5, r["step"]
+        assert abs(r["loss"] - want[r["step"]]["loss"]) <= fp32_mean_tolerance(r["loss"], 16 * 64), r["step"]
         assert abs(r["grad_norm"] - want[r["step"]]["grad_norm"]) <= 1e-4 * r["grad_norm"], r["step"]
 
 
@@ -193,7 +196,8 @@ def _worker(rank: int, port: int, want: dict) -> None:
             one = want[routing]
             assert got["counts"] == one["counts"], (routing, parallel, ep, got["counts"], one["counts"])
             assert got["dropped"] == 0
-            assert abs(got["loss"] - one["loss"]) <= 1e-5, (routing, got["loss"], one["loss"])
+            tol = fp32_mean_tolerance(one["loss"], ROWS * SEQ)  # 4 ranks reorder the loss sum
+            assert abs(got["loss"] - one["loss"]) <= tol, (routing, got["loss"], one["loss"])
             assert abs(got["grad_norm"] - one["grad_norm"]) <= 1e-5 * one["grad_norm"], (routing, parallel)
     finally:
         dist.destroy_process_group()

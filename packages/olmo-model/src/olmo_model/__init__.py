@@ -9,6 +9,7 @@ from .maths import (
     attention_flops_per_token,
     describe,
     flops_per_token,
+    fp32_mean_tolerance,
     mean_keys_per_query,
     mfu,
     param_counts,

@@ -208,3 +208,27 @@ def describe(spec: ModelSpec, seq_len: int) -> dict:
         "memory_fp32": training_state_bytes(spec, "float32"),
         "memory_bf16_params_fp32_adam": training_state_bytes(spec, "bfloat16"),
     }
+
+
+# ---- how closely two float32 runs can agree ---------------------------------------------------
+
+FP32_UNIT_ROUNDOFF = 2.0**-24  # u: a rounded fp32 sum a + b is (a + b)(1 + d) with |d| <= u
+
+
+def fp32_mean_tolerance(mean: float, count: int, *, both_fp32: bool = True, sigmas: float = 6.0) -> float:
+    """How far a logged fp32 mean of ``count`` terms of typical size ``mean`` (a step's loss over
+    its tokens) can move when only the summation order changes: the bound a cross-layout or
+    cross-framework comparison of per-step losses must allow, since a mesh, a rank count or an
+    accumulation split each reorder the sum.
+
+    Summing n terms one after the other, the k-th addition rounds a partial sum S_k ~ k*|mean|
+    with a relative error of at most u, taken as uniform in [-u, u] (variance (u*S_k)^2 / 3; an
+    over-estimate, since the error is uniform over half an ulp and an ulp is u..2u of S_k: the
+    simulated spread is 0.70-0.76 of this); the errors add up to a variance u^2 mean^2 n^3 / 9,
+    so the mean's rounding error has standard deviation u * |mean| * sqrt(n) / 3. Sequential order is the worst one a backend realistically picks
+    (pairwise and blocked sums round far less), so this bounds the other orders too. Two fp32
+    runs differ by sqrt(2) of that; a run against a float64 reference by one of it. ``sigmas``
+    6 puts a false alarm below one in 10^8 comparisons. Olmo-sized example: 1024 tokens at loss
+    8.3 give 4.5e-5 between two fp32 runs."""
+    std = FP32_UNIT_ROUNDOFF * abs(mean) * count**0.5 / 3
+    return sigmas * std * (2**0.5 if both_fp32 else 1.0)
