@@ -14,7 +14,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_mixture_support import EOS, random_docs, write_mixture, write_raw, write_shard  # noqa: E402
 
-from olmo_data import LeakageError, assert_no_leakage, check_leakage, load_mixture  # noqa: E402
+from olmo_data import (  # noqa: E402
+    LeakageError,
+    assert_no_leakage,
+    check_leakage,
+    load_mixture,
+    open_training_mixture,
+)
 from olmo_data.leakage import cache_path  # noqa: E402
 
 
@@ -120,3 +126,28 @@ def test_report_is_cached_by_fingerprint(tmp_path, monkeypatch):
 
     monkeypatch.setattr("olmo_data.leakage._scan_source", fail)
     assert check_leakage(m) == report
+
+
+def test_same_size_edit_in_the_middle_of_a_raw_file_is_caught_on_the_next_run(tmp_path):
+    # ~93k uint16 tokens (~186 KB): the middle lies beyond the first and last 64 KiB.
+    code = random_docs(1, 1500)
+    path = build(tmp_path, code)
+    first = load_mixture(path)
+    open_training_mixture(path)  # clean: passes, and caches the verdict under the fingerprint
+    assert cache_path(first).is_file()
+    # Plant held-out doc 5 in the middle of code.npy, overwriting as many tokens (size and
+    # both ends unchanged), in place as an editor or a bad merge would.
+    tokens = np.fromfile(tmp_path / "code.npy", np.uint16)
+    at = tokens.size // 2
+    assert 2 * at >= 1 << 16 and 2 * (tokens.size - at - len(HELD[5])) >= 1 << 16
+    with open(tmp_path / "code.npy", "r+b") as f:
+        f.seek(2 * at)
+        f.write(HELD[5].astype(np.uint16).tobytes())
+    second = load_mixture(path)
+    assert second.training_sources[0].num_tokens == tokens.size
+    assert second.fingerprint() != first.fingerprint()
+    with pytest.raises(LeakageError, match=r"held_out 'wiki': 1/30 documents .* doc 5 \(13-gram in 'code'"):
+        open_training_mixture(path)
+    (h,) = check_leakage(second).held_out
+    assert h.contaminated_docs == [5]
+    assert h.ngram_hits[0]["training_offset"] == at  # its first 13-gram starts where it was planted

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,9 +16,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_mixture_support import two_source_mixture  # noqa: E402
+from test_mixture_support import VOCAB, random_docs, two_source_mixture, write_shard  # noqa: E402
 
 from olmo_data import DataError, MixtureLoader, load_mixture  # noqa: E402
+from olmo_data.shards import _FOOTER, _FOOTER_MAGIC, ShardSource, read_manifest  # noqa: E402
 
 B = 8  # global batch
 
@@ -101,13 +103,21 @@ def test_resume_in_a_new_process_with_another_dp_size(tmp_path, dp_before, dp_af
 def test_fingerprint_mismatch(tmp_path, mixture, caplog):
     loader = MixtureLoader(mixture, B)
     state = {**loader.state_dict(), "fingerprint": "0" * 64, "step": 3, "tokens_consumed": 3 * B * 16}
-    with pytest.raises(DataError, match="fingerprint .* differs .* allow_fingerprint_mismatch=True"):
+    with pytest.raises(DataError) as e:
         loader.load_state_dict(state)
+    # names the recipe key a user sets, as the trainers' command line spells it
+    assert "fingerprint" in str(e.value) and " differs " in str(e.value)
+    assert str(e.value).endswith(
+        "; restore the original data, or resume anyway with --data.allow_fingerprint_mismatch=true "
+        "(recipe field data.allow_fingerprint_mismatch)"
+    )
     assert loader.step == 0
     with caplog.at_level(logging.WARNING, logger="olmo_data.loader"):
         loader.load_state_dict(state, allow_fingerprint_mismatch=True)
     assert loader.step == 3
-    assert any("allow_fingerprint_mismatch=True" in r.message and r.levelno == logging.WARNING for r in caplog.records)
+    assert any(
+        "data.allow_fingerprint_mismatch=true" in r.message and r.levelno == logging.WARNING for r in caplog.records
+    )
 
 
 def test_state_checks_seed_and_batch_size(mixture):
@@ -155,3 +165,73 @@ def test_repetition_limit_stops_within_one_block_of_the_budget(tmp_path):
         for _ in loader:
             consumed += 1
     assert 1180 // B <= consumed <= 1748 // B
+
+
+def out_of_vocab(docs: list[np.ndarray]) -> list[np.ndarray]:
+    """Documents whose every 8th token (from each start) is 5000 >= VOCAB: any 17-token
+    read inside them holds one, and a read crossing into them holds their token 0."""
+    for d in docs:
+        d[:-1][::8] = 5000
+    return docs
+
+
+def forge_max_token_id(shard: Path, max_token_id: int) -> None:
+    """Rewrite a shard's manifest to claim `max_token_id`. No checksum covers the manifest
+    (the footer records only its length, rewritten here), so the forged shard is consistent:
+    every chunk and the doc-start index still match their sha256."""
+    data = shard.read_bytes()
+    length, _ = _FOOTER.unpack(data[-_FOOTER.size :])
+    manifest = read_manifest(shard)
+    manifest["max_token_id"] = max_token_id
+    blob = json.dumps(manifest, sort_keys=True).encode()
+    shard.write_bytes(data[: len(data) - _FOOTER.size - length] + blob + _FOOTER.pack(len(blob), _FOOTER_MAGIC))
+    ShardSource(shard).verify()
+
+
+def test_forged_manifest_cannot_smuggle_ids_past_the_vocab(tmp_path):
+    path = two_source_mixture(tmp_path)
+    docs = random_docs(3, 100)  # the p1 of two_source_mixture, its last 3 documents out of vocab
+    shard = write_shard(tmp_path / "prose" / "p1.shard", docs[:97] + out_of_vocab(docs[97:]))
+    with pytest.raises(DataError, match="p1.shard: token id 5000 >= vocab_size 4096"):
+        load_mixture(path)  # an honest manifest is refused when the mixture opens
+    forge_max_token_id(shard, VOCAB - 1)
+    mixture = load_mixture(path)  # the up-front check trusts the manifest
+    assert mixture.training_sources[1].max_token_id == VOCAB - 1
+    bad = mixture.training_sources[1].sources[0].num_tokens + sum(len(d) for d in docs[:97])
+    loader = MixtureLoader(mixture, B, prefetch=0)
+    # By hand: prose window k reads prose tokens [16k, 16k + 17) (its labels take one more),
+    # so a batch reads an out-of-vocab id iff one of its prose rows has 16k + 17 > bad.
+    clean = 0
+    for step in range(100):
+        source, within = mixture.order.instances_at(np.arange(step * B, (step + 1) * B))
+        if not np.any((source == 1) & (within * 16 + 17 > bad)):
+            batch = loader.batch_at(step)
+            assert batch["input_ids"].max() < VOCAB and batch["labels"].max() < VOCAB
+            clean += 1
+            continue
+        with pytest.raises(DataError) as e:
+            loader.batch_at(step)
+        message = str(e.value)
+        assert "\n" not in message
+        assert message.startswith(f"{shard}: token id 5000 at token ")
+        for part in (">= vocab_size 4096", "declares max_token_id 4095", "re-create the file", "vocab_size"):
+            assert part in message, (part, message)
+        at = int(re.search(r"at token ([0-9]+) ", message).group(1))  # an offset within p1, holding 5000
+        assert at >= bad - mixture.training_sources[1].sources[0].num_tokens
+        assert ShardSource(shard).read(at, at + 1).tolist() == [5000]
+        break
+    else:
+        raise AssertionError("no batch in 100 steps read the out-of-vocab documents")
+    assert clean == step >= 1  # the in-vocab batches before it were served as usual
+    # Grain iteration hands out no batch of that step either.
+    with pytest.raises(DataError, match="p1.shard: token id 5000"):
+        take(MixtureLoader(mixture, B, start_step=step, prefetch=2), 1)
+
+
+def test_forged_held_out_manifest_fails_the_eval_batches(tmp_path):
+    path = two_source_mixture(tmp_path)
+    shard = write_shard(tmp_path / "heldout" / "h.shard", out_of_vocab(random_docs(4, 40)))
+    forge_max_token_id(shard, VOCAB - 1)
+    loader = MixtureLoader(load_mixture(path), B)
+    with pytest.raises(DataError, match=f"^{shard}: token id 5000 at token [0-9]+ >= vocab_size 4096"):
+        loader.eval_batches("heldout", 4)

@@ -1,15 +1,19 @@
-"""Token storage: OLMo raw token files, zstd shards, concatenation and bad-input errors."""
+"""Token storage: OLMo raw token files, zstd shards, concatenation, bad-input errors and the
+cached content hash of raw files."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pickle
+import time
 
 import numpy as np
 import pytest
 
 from olmo_data.errors import DataError, ShardCorruptError
 from olmo_data.shards import read_manifest
-from olmo_data.storage import ConcatSource, RawTokenFile, ShardSource, ShardWriter, open_source
+from olmo_data.storage import ConcatSource, RawTokenFile, ShardSource, ShardWriter, content_sha256, open_source
 
 EOS = 0
 
@@ -50,10 +54,107 @@ def test_raw_olmo_file_tokens_and_doc_starts(tmp_path, dtype):
     np.testing.assert_array_equal(clone.read(0, 50), flat[:50])
 
 
-def test_raw_file_without_final_eos_keeps_last_doc(tmp_path):
-    np.array([5, 6, EOS, 7, 8, 9], dtype=np.uint16).tofile(tmp_path / "a.npy")
-    src = RawTokenFile(tmp_path / "a.npy", "uint16", EOS)
-    np.testing.assert_array_equal(src.doc_starts(), [0, 3])
+@pytest.mark.parametrize("dtype, cut_tokens", [(np.uint16, 1), (np.uint16, 3), (np.uint32, 1)])
+def test_truncated_raw_file_is_refused(tmp_path, dtype, cut_tokens):
+    """A file cut short by whole tokens (an even number of bytes) loses its final eos."""
+    docs = _documents(np.random.default_rng(5), 30, 4096)
+    flat = _write_olmo_file(tmp_path / "t.npy", docs, dtype)
+    assert RawTokenFile(tmp_path / "t.npy", np.dtype(dtype).name, EOS).num_docs == 30
+    flat[:-cut_tokens].tofile(tmp_path / "t.npy")
+    with pytest.raises(DataError) as e:
+        RawTokenFile(tmp_path / "t.npy", np.dtype(dtype).name, EOS)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"{tmp_path / 't.npy'}: last token is {int(flat[-cut_tokens - 1])}, not eos_token_id 0")
+    assert "looks truncated" in message and "re-export or re-tokenize" in message
+    # the same cut through open_source (what a mixture does) is refused the same way
+    with pytest.raises(DataError, match="t.npy: last token .* looks truncated"):
+        open_source(str(tmp_path / "t.npy"), "numpy", dtype=np.dtype(dtype).name, eos_token_id=EOS)
+
+
+@pytest.mark.parametrize("vocab", [4096, 100278])  # 100278: Olmo 3's dolma2 tokenizer, ids above 65535
+def test_uint32_file_declared_uint16_is_refused(tmp_path, vocab):
+    docs = _documents(np.random.default_rng(6), 200, vocab)
+    flat = _write_olmo_file(tmp_path / "u32.npy", docs, np.uint32)
+    words = flat.size  # 4-byte words; the probe samples 16 blocks of 256 once there are more than 4096
+    assert words > 4096
+    with pytest.raises(DataError) as e:
+        open_source(str(tmp_path / "u32.npy"), "numpy", dtype="uint16", eos_token_id=EOS, vocab_size=vocab)
+    assert "\n" not in str(e.value)
+    assert str(e.value) == (
+        f"{tmp_path / 'u32.npy'}: dtype uint16 does not fit this file: all 4096 sampled odd positions hold ids "
+        "< 16, as the high halves of uint32 ids do; set dtype: uint32"
+    )
+    src = open_source(str(tmp_path / "u32.npy"), "numpy", dtype="uint32", eos_token_id=EOS, vocab_size=vocab)
+    np.testing.assert_array_equal(src.read(0, src.num_tokens), flat)
+
+
+def test_uint16_file_declared_uint32_is_refused(tmp_path):
+    docs = _documents(np.random.default_rng(7), 100, 4096)
+    flat = _write_olmo_file(tmp_path / "u16.npy", docs, np.uint16)
+    if flat.size % 2:  # an odd count is refused by the size check; make it a whole number of uint32
+        flat = _write_olmo_file(tmp_path / "u16.npy", docs[:-1], np.uint16)
+    pairs = flat.astype(np.int64).reshape(-1, 2)
+    assert pairs.shape[0] <= 4096  # small enough that the probe reads every word
+    fused = int((pairs[:, 0] + 65536 * pairs[:, 1]).max())  # the ids a uint32 reader sees
+    assert fused >= 1 << 20
+    with pytest.raises(DataError) as e:
+        open_source(str(tmp_path / "u16.npy"), "numpy", dtype="uint32", eos_token_id=EOS, vocab_size=4096)
+    assert str(e.value) == (
+        f"{tmp_path / 'u16.npy'}: dtype uint32 does not fit this file: sampled id {fused} is beyond any "
+        "vocabulary (>= 1048576), as two uint16 ids read as one uint32 are; set dtype: uint16"
+    )
+
+
+def test_genuine_uint16_files_with_small_ids_pass_the_dtype_probe(tmp_path):
+    """Zipf-distributed ids (most of them tiny) and an all-small-id file are not taken for uint32."""
+    rng = np.random.default_rng(8)
+    zipf = [np.minimum(rng.zipf(1.3, size=int(n)) + 1, 4095) for n in rng.integers(20, 200, size=300)]
+    _write_olmo_file(tmp_path / "zipf.npy", zipf, np.uint16)
+    assert RawTokenFile(tmp_path / "zipf.npy", "uint16", EOS).num_docs == 300
+    tiny = [rng.integers(1, 16, size=9) for _ in range(100)]  # both halves < 16: undecidable, accepted
+    _write_olmo_file(tmp_path / "tiny.npy", tiny, np.uint16)
+    assert RawTokenFile(tmp_path / "tiny.npy", "uint16", EOS).num_tokens == 1000
+
+
+def test_content_sha256_is_cached_by_stat(tmp_path, monkeypatch):
+    monkeypatch.setenv("OLMO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "data.npy"
+    data = np.arange(1, 5001, dtype=np.uint16)
+    data.tofile(path)
+    entries = lambda: sorted((tmp_path / "cache" / "file-sha256").glob("*.json"))  # noqa: E731
+    # A file written just now is hashed but not cached: a write in the same timestamp tick
+    # could not be told apart.
+    assert content_sha256(path) == hashlib.sha256(data.tobytes()).hexdigest()
+    assert entries() == []
+    old = time.time_ns() - 86_400 * 10**9
+    os.utime(path, ns=(old, old))
+    assert content_sha256(path) == hashlib.sha256(data.tobytes()).hexdigest()
+    assert len(entries()) == 1
+    real_digest = hashlib.file_digest
+
+    def no_hashing(*a, **k):
+        raise AssertionError("re-hashed a file whose stat is unchanged")
+
+    monkeypatch.setattr(hashlib, "file_digest", no_hashing)
+    assert content_sha256(path) == hashlib.sha256(data.tobytes()).hexdigest()
+    monkeypatch.setattr(hashlib, "file_digest", real_digest)
+    # A same-size edit in place moves mtime.
+    edited = data.copy()
+    edited[2500] = 7
+    with open(path, "r+b") as f:
+        f.seek(5000)
+        f.write(edited[2500:2501].tobytes())
+    assert content_sha256(path) == hashlib.sha256(edited.tobytes()).hexdigest()
+    # A new file of the same size renamed into place, with the cached mtime restored: a new inode.
+    os.utime(path, ns=(old, old))
+    assert content_sha256(path) == hashlib.sha256(edited.tobytes()).hexdigest()
+    replaced = data.copy()
+    replaced[100] = 9
+    replaced.tofile(tmp_path / "new.npy")
+    os.replace(tmp_path / "new.npy", path)
+    os.utime(path, ns=(old, old))
+    assert content_sha256(path) == hashlib.sha256(replaced.tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("chunk_tokens", [7, 64, 100000])

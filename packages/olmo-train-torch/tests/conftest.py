@@ -33,7 +33,9 @@ def _write_docs(path: Path, rng: np.random.Generator, n_tokens: int, vocab: int)
         doc = np.minimum(rng.zipf(1.3, size=n) + 1, vocab - 1).astype(np.uint16)
         out += [doc, np.zeros(1, np.uint16)]
         total += n + 1
-    np.concatenate(out)[:n_tokens].tofile(path)
+    tokens = np.concatenate(out)[:n_tokens]
+    tokens[-1] = 0  # a token file ends with eos (olmo_data refuses one that looks truncated)
+    tokens.tofile(path)
 
 
 def make_mixture(root: Path, seed: int = 7, order_seed: int = 1234) -> Path:

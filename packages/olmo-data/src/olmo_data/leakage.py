@@ -30,7 +30,7 @@ import numpy as np
 from olmo_data.errors import DataError
 from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.ngrams import doc_hash, ngram_hashes
-from olmo_data.storage import TokenSource
+from olmo_data.storage import TokenSource, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,7 @@ class LeakageReport:
 
 
 def cache_path(mixture: Mixture) -> Path:
-    root = Path(os.environ.get("OLMO_CACHE") or Path.home() / ".cache" / "olmo-twin")
-    return root / "leakage" / f"v{_CACHE_VERSION}-{mixture.fingerprint()}.json"
+    return cache_root() / "leakage" / f"v{_CACHE_VERSION}-{mixture.fingerprint()}.json"
 
 
 class _HeldOutIndex:

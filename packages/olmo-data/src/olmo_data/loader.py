@@ -110,9 +110,12 @@ class MixtureLoader:
                 f"{str(state['fingerprint'])[:16]} (the data or the mixture changed)"
             )
             if not allow_fingerprint_mismatch:
-                raise DataError(message + "; restore the original data, or pass allow_fingerprint_mismatch=True")
-            log.warning("!!! %s; continuing at step %d anyway because allow_fingerprint_mismatch=True !!!", message,
-                        state["step"])
+                raise DataError(
+                    message + "; restore the original data, or resume anyway with "
+                    "--data.allow_fingerprint_mismatch=true (recipe field data.allow_fingerprint_mismatch)"
+                )
+            log.warning("!!! %s; continuing at step %d anyway because data.allow_fingerprint_mismatch=true !!!",
+                        message, state["step"])
         if state["tokens_consumed"] != state["step"] * self.tokens_per_global_batch:
             raise DataError(
                 f"{where}: the checkpoint consumed {state['tokens_consumed']} tokens in {state['step']} steps, "
@@ -128,8 +131,10 @@ class MixtureLoader:
         if batch_size <= 0:
             raise ValueError(f"eval batch_size must be > 0, got {batch_size}")
         source, within = eval_instances(self.mixture, source_name)
-        seq = self.mixture.sequence_length
-        return [read_instances(source, within[i : i + batch_size], seq) for i in range(0, len(within), batch_size)]
+        seq, vocab = self.mixture.sequence_length, self.mixture.config.vocab_size
+        return [
+            read_instances(source, within[i : i + batch_size], seq, vocab) for i in range(0, len(within), batch_size)
+        ]
 
 
 def eval_instances(mixture: Mixture, source_name: str) -> tuple[Any, np.ndarray]:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from olmo_data.errors import DataError
 from olmo_data.order import GlobalOrder, derive_key, largest_remainder
-from olmo_data.storage import TokenSource, open_source, resolve_paths
+from olmo_data.storage import TokenSource, content_sha256, open_source, resolve_paths
 
 SAMPLE = "sample"  # the mixture path that names the embedded sample (olmo_data.sample)
 
@@ -109,15 +109,6 @@ def _validation_message(path: Path, err: ValidationError) -> str:
     return f"{path}: " + "; ".join(parts)
 
 
-def _ends_sha256(path: str, span: int = 1 << 16) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(span))
-        f.seek(max(0, os.path.getsize(path) - span))
-        h.update(f.read(span))
-    return h.hexdigest()
-
-
 class Mixture:
     """A loaded, validated mixture with its sources opened (use `load_mixture`)."""
 
@@ -129,6 +120,7 @@ class Mixture:
         self.held_out_files = [self._resolve(h, f"held_out.{i}") for i, h in enumerate(config.held_out)]
         self.training_sources = [self._open(s, f) for s, f in zip(config.sources, self.training_files)]
         self.held_out_sources = {h.name: self._open(h, f) for h, f in zip(config.held_out, self.held_out_files)}
+        self._identities: dict[int, tuple[TokenSource, list[dict[str, Any]]]] = {}
         self._check()
 
     def with_sequence_length(self, sequence_length: int) -> Mixture:
@@ -206,9 +198,14 @@ class Mixture:
         ]
 
     def source_identity(self, source: TokenSource) -> list[dict[str, Any]]:
-        """What identifies a source's files without reading them whole: relative name, size,
-        token count and the manifest's chunk checksums for shards, the sha256 of the first
-        and last 64 KiB for raw files (never mtimes)."""
+        """What identifies a source's files: relative name, size, token count, dtype, and their
+        content: the manifest's chunk checksums for shards, the sha256 of every byte for raw
+        files (`content_sha256`: computed once, then cached by the file's stat; the value
+        never depends on mtimes or location). Computed once per source and mixture, so the
+        eval set and the fingerprint agree for the life of the mixture."""
+        memo = self._identities.get(id(source))
+        if memo is not None and memo[0] is source:
+            return memo[1]
         parts = getattr(source, "sources", [source])
         out = []
         for p in parts:
@@ -222,9 +219,10 @@ class Mixture:
             if manifest is not None:
                 item["chunks"] = [c["sha256_compressed"] for c in manifest["chunks"]]
                 item["doc_starts"] = manifest["doc_starts"]["sha256_compressed"]
-            else:  # raw files carry no checksums; an equal-size edit away from both ends goes unseen
-                item["ends_sha256"] = _ends_sha256(p.path)
+            else:  # raw files carry no checksums: hash all of it, or a same-size edit goes unseen
+                item["sha256"] = content_sha256(p.path)
             out.append(item)
+        self._identities[id(source)] = (source, out)
         return out
 
     @cached_property
@@ -252,6 +250,7 @@ class Mixture:
             self.max_instances(),
             self.sequence_length,
             derive_key(self.fingerprint(), self.seed, "train-order"),
+            vocab_size=self.config.vocab_size,
         )
 
     def __repr__(self) -> str:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from olmo_data.errors import DataError
-from olmo_data.storage import TokenSource
+from olmo_data.storage import TokenSource, locate
 
 BATCH_KEYS = ("input_ids", "labels", "doc_ids", "positions")
 IGNORE_INDEX = -100  # label of the last token of a source: nothing follows it (PyTorch's ignore_index)
@@ -121,24 +121,52 @@ def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
     return [int(v) for v in shares]
 
 
-def read_instances(source: TokenSource, within: np.ndarray, sequence_length: int) -> dict[str, np.ndarray]:
+def check_token_ids(source: TokenSource, tokens: np.ndarray, first: np.ndarray, vocab_size: int) -> None:
+    """DataError unless every id in `tokens` ([n, L] int32 read from `source`, row i from
+    token first[i] on) is < vocab_size. One max over the batch: the open-time check trusts a
+    shard manifest's max_token_id, and a forged or stale one must not reach the model."""
+    ids = tokens.view(np.uint32)  # an id >= 2**31 would pass as a negative int32
+    if ids.size == 0 or int(ids.max()) < vocab_size:
+        return
+    row, col = np.unravel_index(int(np.argmax(ids)), ids.shape)
+    part, offset = locate(source, int(first[row]) + int(col))
+    declared = getattr(part, "max_token_id", None)
+    raise DataError(
+        f"{part.path}: token id {int(ids[row, col])} at token {offset} >= vocab_size {vocab_size}"
+        f"{'' if declared is None else f', though the file declares max_token_id {declared}'}: its manifest or "
+        "dtype misdescribes its data; re-create the file (olmo-data tokenize, or re-export) or fix vocab_size"
+    )
+
+
+def read_instances(
+    source: TokenSource, within: np.ndarray, sequence_length: int, vocab_size: int | None = None
+) -> dict[str, np.ndarray]:
     """input_ids, labels, doc_ids, positions ([n, S] int32) of windows `within` of `source`.
 
     labels[t] = input_ids[t+1]; the last label is the token after the window, or
-    IGNORE_INDEX when the window ends the source.
+    IGNORE_INDEX when the window ends the source. With vocab_size, an id >= vocab_size
+    read here is a DataError (`check_token_ids`).
     """
     seq = sequence_length
     within = np.asarray(within, dtype=np.int64)
     n = len(within)
     first = within * seq
-    # tokens[row] = the window plus the token after it (IGNORE_INDEX at the end of the source)
-    tokens = np.full((n, seq + 1), IGNORE_INDEX, np.int32)  # the outputs are int32 anyway
+    # tokens[row] = the window plus the token after it (IGNORE_INDEX at the end of the
+    # source, set after the id check: the check reads the array as uint32)
+    tokens = np.zeros((n, seq + 1), np.int32)  # the outputs are int32 anyway
+    cut: list[tuple[int, int]] = []  # (row, tokens read) of windows that end the source
     # Read in window order: compressed shards decompress whole chunks, and a batch's
     # windows that share a chunk then hit the chunk cache one after another.
     for row in np.argsort(within, kind="stable").tolist():
         start = int(first[row])
         stop = min(start + seq + 1, source.num_tokens)
         tokens[row, : stop - start] = source.read(start, stop)
+        if stop - start <= seq:
+            cut.append((row, stop - start))
+    if vocab_size is not None:
+        check_token_ids(source, tokens, first, vocab_size)
+    for row, length in cut:
+        tokens[row, length:] = IGNORE_INDEX
     # document starts strictly inside each window, as (row, column) pairs
     doc_starts = source.doc_starts()
     lo = np.searchsorted(doc_starts, first + 1, side="left")
@@ -163,7 +191,8 @@ class GlobalOrder:
     """The instance order and the batches of a mixture (see the module docstring).
 
     `sources` are the training TokenSources; `slots_per_epoch[s]` their share of a mixture
-    epoch; `max_instances[s]` the stream length allowed by max_repetition (None: no cap).
+    epoch; `max_instances[s]` the stream length allowed by max_repetition (None: no cap);
+    with `vocab_size`, every batch read is checked to hold only ids below it.
     """
 
     def __init__(
@@ -174,6 +203,7 @@ class GlobalOrder:
         max_instances: Sequence[int | None],
         sequence_length: int,
         key: int,
+        vocab_size: int | None = None,
     ) -> None:
         if sequence_length <= 0:
             raise DataError(f"sequence_length must be > 0, got {sequence_length}")
@@ -194,6 +224,7 @@ class GlobalOrder:
         self.num_blocks = max(1, self.epoch_size // _BLOCK_SLOTS)
         self.max_instances = list(max_instances)
         self.key = key
+        self.vocab_size = vocab_size
         self._source_keys = np.array([derive_key(key, "source", i) for i in range(len(self.sources))], np.uint64)
         self._epoch_key = derive_key(key, "epoch")
 
@@ -260,7 +291,7 @@ class GlobalOrder:
         out = {k: np.empty((len(source_ids), self.sequence_length), np.int32) for k in BATCH_KEYS}
         for s in np.unique(source_ids):
             rows = np.flatnonzero(source_ids == s)
-            part = read_instances(self.sources[s], within[rows], self.sequence_length)
+            part = read_instances(self.sources[s], within[rows], self.sequence_length, self.vocab_size)
             for k in BATCH_KEYS:
                 out[k][rows] = part[k]
         return out

@@ -6,6 +6,8 @@
 - `ConcatSource`: several files as one logical source, in sorted path order.
 - `open_source(...)`: resolves paths, globs and shard directories into one of the above,
   checking missing files, empty globs, dtype and vocab.
+- `content_sha256(path)`: the sha256 of a file's bytes, cached on disk by its stat (the
+  fingerprint of raw files, which carry no checksums of their own).
 
 Every source returns uint32 ids from `read(start, stop)` and the sorted start offset of
 every document from `doc_starts()`. Sources hold no open handles when pickled (Grain
@@ -15,7 +17,10 @@ worker processes reopen them).
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence
 
@@ -32,11 +37,27 @@ __all__ = [
     "ConcatSource",
     "open_source",
     "resolve_paths",
+    "content_sha256",
+    "cache_root",
+    "locate",
 ]
 
 # Tokens scanned per step when looking for eos in a raw file: bounds the temporary
 # boolean array to 64 MB however large the file is.
 _SCAN_TOKENS = 1 << 26
+# Every tokenizer in use has fewer than 2**20 ids (the largest hold ~256k), so the high 16
+# bits of a genuine uint32 id are < 16; the dtype probe of raw files rests on that.
+_ID_LIMIT = 1 << 20
+# The dtype probe reads this many blocks of this many 4-byte words, spread evenly over the
+# file: a few KiB of reads whatever its size, and thousands of samples.
+_PROBE_BLOCKS, _PROBE_WORDS = 16, 256
+# Fewer words than this say nothing about a uint16 file: a tiny genuine one could hold
+# only small ids at its odd positions by chance.
+_PROBE_MIN_WORDS = 64
+# A file modified less than this before its hash started is hashed but not cached: a later
+# write within the same file-system timestamp tick would leave its mtime unchanged (git's
+# "racy clean" case); 2 s covers the coarsest timestamps (FAT) and modest clock skew.
+_RACY_NS = 2_000_000_000
 
 
 class TokenSource(Protocol):
@@ -53,11 +74,28 @@ class TokenSource(Protocol):
     def doc_starts(self) -> np.ndarray: ...
 
 
+def _probe_words(f: Any, size: int) -> np.ndarray:
+    """[n, 2] little-endian uint16 halves of up to _PROBE_BLOCKS x _PROBE_WORDS 4-byte words
+    spread evenly over an open file of `size` bytes (a multiple of 4)."""
+    words = size // 4
+    if words <= _PROBE_BLOCKS * _PROBE_WORDS:
+        starts, count = [0], words
+    else:
+        starts, count = np.linspace(0, words - _PROBE_WORDS, _PROBE_BLOCKS).astype(np.int64).tolist(), _PROBE_WORDS
+    parts = []
+    for start in starts:
+        f.seek(4 * start)
+        parts.append(np.frombuffer(f.read(4 * count), dtype="<u2"))
+    return np.concatenate(parts).reshape(-1, 2)
+
+
 class RawTokenFile:
     """A headerless OLMo/Dolma token file; documents are eos-terminated.
 
-    Document starts come from one vectorised scan for eos (done on first use, cached);
-    the same scan records the largest id for the vocab check.
+    Opening reads a few KiB: a sampled probe that the ids fit the declared dtype, and the
+    last token, which must be eos (else the file is truncated). Document starts come from
+    one vectorised scan for eos (done on first use, cached); the same scan records the
+    largest id for the vocab check.
     """
 
     def __init__(self, path: str | os.PathLike, dtype: Any = "uint16", eos_token_id: int | None = None) -> None:
@@ -79,10 +117,47 @@ class RawTokenFile:
             )
         if size == 0:
             raise DataError(f"{self.path}: empty token file; remove it from the mixture")
+        with open(self.path, "rb") as f:
+            if size % 4 == 0:  # otherwise the file cannot be uint32 ids, nor read as them
+                self._check_dtype(_probe_words(f, size))
+            f.seek(size - itemsize)
+            last = int(np.frombuffer(f.read(itemsize), dtype=self.dtype.newbyteorder("<"))[0])
+        if last != self.eos_token_id:
+            # Writers end every document with eos, so a file that does not end with it lost
+            # its tail (a copy or export cut short by a multiple of the item size).
+            raise DataError(
+                f"{self.path}: last token is {last}, not eos_token_id {self.eos_token_id}: the file looks truncated "
+                "(its last document lost its eos); re-export or re-tokenize it (or fix eos_token_id)"
+            )
         self.num_tokens = size // itemsize
         self._mm: np.memmap | None = None
         self._starts: np.ndarray | None = None
         self._max_token_id: int | None = None
+
+    def _check_dtype(self, words: np.ndarray) -> None:
+        """Refuse ids that were written with the other dtype; `words` are sampled 4-byte
+        words as (low, high) uint16 halves."""
+        low, high = words[:, 0], words[:, 1]
+        if self.dtype == np.uint16:
+            # Read as uint16, uint32 ids put their high halves at the odd positions: all < 16
+            # (0 below 65536 ids, 0 or 1 for Olmo 3's ~100k vocab). Genuine uint16 data holds
+            # ordinary tokens there, distributed as at the even positions; thousands of them
+            # all among the 16 smallest ids does not occur (and a low half >= 16 rules out a
+            # file whose every id is tiny, where the two dtypes cannot be told apart).
+            if len(words) >= _PROBE_MIN_WORDS and high.max() < 16 <= low.max():
+                raise DataError(
+                    f"{self.path}: dtype uint16 does not fit this file: all {len(words)} sampled odd positions "
+                    "hold ids < 16, as the high halves of uint32 ids do; set dtype: uint32"
+                )
+        else:
+            # Read as uint32, uint16 data fuses two tokens into one id, t0 + 65536 * t1:
+            # ids far beyond any vocabulary as soon as one odd token is >= 16.
+            ids = low.astype(np.uint32) | (high.astype(np.uint32) << 16)
+            if ids.size and int(ids.max()) >= _ID_LIMIT:
+                raise DataError(
+                    f"{self.path}: dtype uint32 does not fit this file: sampled id {int(ids.max())} is beyond any "
+                    f"vocabulary (>= {_ID_LIMIT}), as two uint16 ids read as one uint32 are; set dtype: uint16"
+                )
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_mm": None}
@@ -175,6 +250,67 @@ class ConcatSource:
         if len(parts) == 1:
             return parts[0]
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
+
+
+def locate(source: TokenSource, offset: int) -> tuple[TokenSource, int]:
+    """The single-file source holding token `offset` of `source`, and the offset within it."""
+    parts = getattr(source, "sources", None)
+    if parts is None:
+        return source, offset
+    bounds = np.concatenate([[0], np.cumsum([p.num_tokens for p in parts])])
+    i = int(np.searchsorted(bounds, offset, side="right")) - 1
+    return locate(parts[i], offset - int(bounds[i]))
+
+
+def cache_root() -> Path:
+    """Where olmo_data keeps what it derives from data: $OLMO_CACHE, default ~/.cache/olmo-twin."""
+    return Path(os.environ.get("OLMO_CACHE") or Path.home() / ".cache" / "olmo-twin")
+
+
+def content_sha256(path: str | os.PathLike) -> str:
+    """sha256 (hex) of a file's bytes, streamed (bounded memory), cached in
+    cache_root()/file-sha256 under its (real path, size, mtime_ns, ctime_ns, inode).
+    sha256 rather than blake2b: CPUs with SHA extensions run it faster, and the shard
+    manifests already use it.
+
+    The cache sits on disk beside the leakage reports, not only in memory, because every
+    process that loads a mixture (each rank, each restart, the CLI) needs the fingerprint,
+    and re-reading a corpus each time is what the cache avoids. What the key trusts: that
+    any change to a file's bytes changes its stat. A write moves mtime; a file rewritten
+    and renamed into place has a new inode even if os.utime restores its mtime, and
+    os.utime itself moves ctime, which only the kernel sets. A write within the same
+    timestamp tick as the hashed version is covered by not caching files modified less
+    than _RACY_NS before hashing. Not seen: an edit that bypasses the file system (writes
+    to the block device) or a clock set back.
+    """
+    real = os.path.realpath(path)
+
+    def stat_key() -> list:
+        st = os.stat(real)
+        return [real, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+    key = stat_key()
+    mtime_ns = key[2]
+    entry = cache_root() / "file-sha256" / f"v1-{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.json"
+    try:
+        cached = json.loads(entry.read_text())
+        if cached["key"] == key:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no entry, or an unreadable one: hash the file
+    started = time.time_ns()
+    with open(real, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    # Cache only a file that was settled before the hash began and did not change during it.
+    if started - mtime_ns >= _RACY_NS and stat_key() == key:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, "sha256": digest}))
+            os.replace(tmp, entry)
+        except OSError:
+            pass  # a read-only cache costs a re-hash next time, nothing else
+    return digest
 
 
 def resolve_paths(path_or_glob: str | os.PathLike | Sequence[str | os.PathLike], format: str) -> list[str]:
