@@ -253,6 +253,11 @@ def test_default_job_loss_falls(tmp_path):
 
 def adam_count(run_dir: Path, ckpt: Path) -> int:
     """The AdamW step count stored in a checkpoint (restored onto one device)."""
+    return int(restored_state(run_dir, ckpt)[1][0].count)
+
+
+def restored_state(run_dir: Path, ckpt: Path) -> tuple:
+    """(params, AdamW state) of a checkpoint, restored onto one device."""
     import jax
     from flax import nnx
     from olmo_train_jax import sharding
@@ -267,8 +272,8 @@ def adam_count(run_dir: Path, ckpt: Path) -> int:
     params_sh = sharding.param_shardings(params, spec, mesh)
     abstract_opt = jax.eval_shape(make_optimizer(params, recipe).init, params)
     opt_sh = sharding.state_shardings(abstract_opt, params_sh, mesh)
-    _, opt_state, _ = restore_state(ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, opt_sh))
-    return int(opt_state[0].count)
+    restored, opt_state, _ = restore_state(ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, opt_sh))
+    return restored, opt_state
 
 
 def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
@@ -339,3 +344,68 @@ def test_init_from_our_checkpoint_takes_its_weights_and_moments(mixture, one_dev
     ckpt1 = run_dir / "checkpoints" / "step_00000001"
     assert read_meta(ckpt1)["loader_state"]["step"] == 1  # the new stage's data starts at its own batch 0
     assert adam_count(run_dir, ckpt1) == 11
+
+
+def test_lr_1e6_stops_non_zero_and_keeps_only_finite_checkpoints(mixture, tmp_path, capsys):
+    """lr 1e6 blows the weights up within a few steps. With a checkpoint every step and two
+    kept, the run used to go on with NaN losses, save NaN checkpoints and prune the good ones."""
+    import jax
+
+    run_dir = tmp_path / "diverged"
+    args = [*BASE, "--optim.lr=1e6", "--checkpoint.every=1", "--checkpoint.keep=2", f"--data.mixture={mixture}",
+            f"--run_dir={run_dir}"]
+    capsys.readouterr()
+    assert main(args) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not finite" in err, err
+    logged = sorted(train_losses(run_dir))
+    stopped_at = logged[-1] + 1 if logged else 1
+    assert stopped_at < STEPS
+    done = complete_checkpoints(run_dir)
+    assert done and all(step < stopped_at for step, _ in done)
+    for _, ckpt in done:
+        leaves = jax.tree.leaves(restored_state(run_dir, ckpt))
+        floats = [x for x in leaves if np.issubdtype(x.dtype, np.floating)]
+        assert len(floats) > 20 and all(bool(np.isfinite(np.asarray(x)).all()) for x in floats), ckpt
+
+
+def test_a_kill_before_the_final_eval_is_finished_by_the_rerun(mixture, one_device_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    # A synchronous save commits (and the test hook kills) inside step 20, before its eval.
+    args = [*BASE, "--checkpoint.async_save=false", f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
+    killed = run_subprocess(args, kill_after=STEPS)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
+    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "eval"] == [10]
+    assert not (run_dir / "loss.png").exists()
+
+    rerun = run_subprocess(args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    evals = {r["step"]: r["eval"] for r in read_metrics(run_dir) if r["kind"] == "eval"}
+    want = {r["step"]: r["eval"] for r in read_metrics(one_device_run) if r["kind"] == "eval"}
+    assert sorted(evals) == [10, 20]
+    assert evals[20] == want[20]  # the restored step-20 weights on the same layout: the same bits
+    assert (run_dir / "loss.png").exists()
+    assert sorted(train_losses(run_dir)) == list(range(1, STEPS + 1))  # nothing trained again
+
+    again = run_subprocess(args)
+    assert again.returncode == 0 and "already complete" in again.stdout
+
+
+def test_allowed_leakage_is_recorded_with_the_held_out_figures(mixture, tmp_path, capsys):
+    """A held-out source copied from training is refused; with data.allow_leakage=true the run
+    trains, and every eval line and the summary say the held-out figures may be memorised."""
+    leaky = tmp_path / "leaky"
+    shutil.copytree(mixture.parent, leaky)
+    (leaky / "held.bin").write_bytes((leaky / "train_a.bin").read_bytes()[:6_000])
+    tokens = np.fromfile(leaky / "held.bin", np.uint16)
+    tokens[: np.flatnonzero(tokens == 0)[-1] + 1].tofile(leaky / "held.bin")  # whole documents only
+    args = [*BASE, "--train.steps=2", "--eval.every=2", f"--data.mixture={leaky / 'mixture.yaml'}",
+            f"--run_dir={tmp_path / 'run'}"]
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "held_out 'held'" in capsys.readouterr().err
+    assert main([*args, "--data.allow_leakage=true"]) == 0
+    evals = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2] and all(r["leakage_allowed"] is True for r in evals)
+    assert "ALLOWED (data.allow_leakage=true)" in capsys.readouterr().err

@@ -28,6 +28,7 @@ import pickle
 import re
 import shutil
 import struct
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from olmo_model import (
     validate_hf_tensors,
 )
 from olmo_model.presets import SpecError
+from olmo_model.runlog import CheckpointDamagedError, pid_alive, read_verified_meta
 
 KINDS = ("hf", "olmo-core", "torch", "jax")
 CONFIG_FILE = "config.json"
@@ -173,6 +175,17 @@ def resolve_spec(stored: ModelSpec | None, given: str | ModelSpec | None, origin
                 "drop --spec to use the checkpoint's own config, or fix the spec"
             )
     return stored
+
+
+def verified_trainer_meta(ckpt: Path) -> dict:
+    """The meta.json of a trainer checkpoint folder, once its files match the sizes and sha256
+    recorded in it (olmo_model.runlog.verify_checkpoint)."""
+    try:
+        return read_verified_meta(ckpt)
+    except CheckpointDamagedError as err:
+        raise CheckpointError(
+            f"{err}; convert an intact checkpoint (an older step of that run) or restore it from a copy"
+        ) from None
 
 
 def validate(ckpt: Checkpoint) -> None:
@@ -492,6 +505,23 @@ def check_destination(dst: Path, overwrite: bool) -> None:
         raise CheckpointError(f"{dst}: destination exists; pass --overwrite to replace it, or choose another path")
 
 
+_PARTIAL = re.compile(r"\..+\.partial-(\d+)")  # atomic_destination's temporaries
+
+
+def _remove_stale_partials(parent: Path) -> None:
+    """Remove the temporaries (``.NAME.partial-PID``) that interrupted conversions into
+    ``parent`` left, those whose process is gone: a killed olmo-convert cannot clean up after
+    itself. A PID means something only on its host, so two hosts converting into one shared
+    folder at the same time are not supported. ``.NAME.old-PID`` is left alone: a conversion
+    interrupted between its two renames leaves the only copy of the old DST there."""
+    for p in sorted(parent.iterdir()):
+        m = _PARTIAL.fullmatch(p.name)
+        if m and not pid_alive(int(m[1])):
+            _remove(p)
+            print(f"olmo-convert: removed {p}, left by an interrupted conversion (process {m[1]} is gone)",
+                  file=sys.stderr)
+
+
 @contextmanager
 def atomic_destination(dst: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary sibling of ``dst`` to fill; it replaces ``dst`` only if the body succeeds,
@@ -499,6 +529,7 @@ def atomic_destination(dst: Path, overwrite: bool) -> Iterator[Path]:
     dst = dst.absolute()
     check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_partials(dst.parent)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     _remove(tmp)
     try:

@@ -33,6 +33,7 @@ from .formats import (
     load_torch_file,
     resolve_spec,
     save_dcp,
+    verified_trainer_meta,
 )
 
 SPEC_FILE = "spec.json"
@@ -44,22 +45,18 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 def read_spec_file(path: Path) -> ModelSpec:
     """The ModelSpec of a torch:/jax: folder: its spec.json or, for one checkpoint folder of a
-    training run (``runs/NAME/checkpoints/step-N``), the spec recorded in its meta.json."""
+    training run (``runs/NAME/checkpoints/step-N``), the spec recorded in its meta.json, once
+    the folder's files match the checksums recorded there too."""
     file = path / SPEC_FILE
-    if not file.is_file() and (path / META_FILE).is_file():
-        file = path / META_FILE
-    if not file.is_file():
-        raise CheckpointError(
-            f"{path / SPEC_FILE}: not found; torch:/jax: directories carry their ModelSpec as spec.json "
-            f"(a trainer checkpoint folder carries it in {META_FILE})"
-        )
     try:
-        data = json.loads(file.read_text())
-        if file.name == META_FILE:
-            if "spec" not in data:
-                raise CheckpointError(f"{file}: has no 'spec' entry; is this a checkpoint of olmo-train-torch/jax?")
-            data = data["spec"]
-        return spec_from_dict(data, source=str(file))
+        if not file.is_file() and (path / META_FILE).is_file():
+            return spec_from_dict(verified_trainer_meta(path)["spec"], source=str(path / META_FILE))
+        if not file.is_file():
+            raise CheckpointError(
+                f"{path / SPEC_FILE}: not found; torch:/jax: directories carry their ModelSpec as spec.json "
+                f"(a trainer checkpoint folder carries it in {META_FILE})"
+            )
+        return spec_from_dict(json.loads(file.read_text()), source=str(file))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{file}: not valid JSON ({err}); rewrite it from ModelSpec.model_dump_json()") from None
     except SpecError as err:

@@ -5,11 +5,12 @@
     uv run --frozen olmo-train-jax DIR/recipe.yaml        # continues at the converted step
 
 The source is a trainer checkpoint dir, ``RUN/checkpoints/latest`` or a run dir (its latest
-complete checkpoint). Everything a resume needs is carried over: parameters, AdamW's first and
-second moments and Adam's step count (mapped through each trainer's own HF-name adapter, the
-same one its weights use), the step, the loader state (the data position), the spike-guard
-history, the recipe and the spec. The result is a complete checkpoint of the target trainer,
-written by that trainer's own checkpoint code:
+complete checkpoint), verified first against the file checksums in its meta.json. Everything a
+resume needs is carried over: parameters, AdamW's first and second moments and Adam's step
+count (mapped through each trainer's own HF-name adapter, the same one its weights use), the
+step, the loader state (the data position), the spike-guard history, the recipe and the spec.
+The result is a complete checkpoint of the target trainer, written by that trainer's own
+checkpoint code:
 
 - DIR absent (or ``--overwrite``): a new run dir (recipe.yaml with ``run_dir`` = DIR, spec.json,
   the checkpoint) is built in a hidden sibling and renamed into place when complete;
@@ -34,7 +35,7 @@ import numpy as np
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.init_source import resolve_checkpoint
 from olmo_model.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from olmo_model.runlog import TrainingStateError, complete_checkpoints, read_meta, training_meta, write_atomic
+from olmo_model.runlog import TrainingStateError, complete_checkpoints, training_meta, write_atomic
 
 from .formats import (
     DCP_METADATA,
@@ -44,6 +45,7 @@ from .formats import (
     atomic_destination,
     parse_location,
     spec_disagreement,
+    verified_trainer_meta,
 )
 
 RUN_KINDS = ("torch-run", "jax-run")
@@ -80,9 +82,9 @@ def read_training_state(text: str) -> TrainingState:
     framework = _framework(loc)
     try:
         step, ckpt = resolve_checkpoint(loc.path)
-        meta = read_meta(ckpt)
     except TrainingStateError as err:
         raise CheckpointError(str(err)) from None
+    meta = verified_trainer_meta(ckpt)
     if meta.get("framework") != framework:
         raise CheckpointError(
             f"{ckpt}: meta.json says this is a {meta.get('framework')} checkpoint, not {framework}; "

@@ -11,8 +11,9 @@
 and the data order still start at 0: a new stage has a new schedule and mixture).
 
 Each trainer calls ``resolve_init`` during its start-up checks, before anything is written, and
-then loads the weights in its own format. The checkpoint must have the same parameters (names
-and shapes) as the recipe's model; spec fields that change no parameter (RoPE/YaRN, context
+then loads the weights in its own format. A checkpoint of ours is first verified against the
+file checksums in its meta.json (``runlog.verify_checkpoint``). It must have the same parameters
+(names and shapes) as the recipe's model; spec fields that change no parameter (RoPE/YaRN, context
 length, window) may differ, which is how stage 3 adds YaRN. A checkpoint of the other
 framework is refused with the olmo-convert command that turns it into one of this framework.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from .hf import hf_param_shapes, spec_from_hf_config
 from .presets import SpecError
 from .recipe import Recipe, RecipeError
-from .runlog import TrainingStateError, complete_checkpoints, read_meta
+from .runlog import CheckpointDamagedError, TrainingStateError, complete_checkpoints, read_meta, read_verified_meta
 from .spec import ModelSpec
 
 HF_PREFIX = "hf:"
@@ -129,8 +130,14 @@ def resolve_init(recipe: Recipe, spec: ModelSpec, framework: str) -> InitSource 
         theirs = _hf_spec(folder, source)
         changed = weights_fit(theirs, spec, f"init.checkpoint={source}") if theirs is not None else ()
         return InitSource(folder, None, None, False, changed)
-    step, ckpt = resolve_checkpoint(Path(source))
-    meta = read_meta(ckpt)
+    try:
+        step, ckpt = resolve_checkpoint(Path(source))
+        meta = read_verified_meta(ckpt)
+    except CheckpointDamagedError as err:
+        raise CheckpointDamagedError(
+            f"init.checkpoint={source}: {err}; name an intact checkpoint (an older step of that run) or restore it "
+            "from a copy"
+        ) from None
     theirs = meta.get("framework")
     if theirs != framework:
         raise TrainingStateError(

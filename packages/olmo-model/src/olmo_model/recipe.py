@@ -57,6 +57,9 @@ class SpikeGuardSection(_Section):
     window: int = Field(128, ge=2)  # accepted steps the statistics come from
     sigma: float = Field(6.0, gt=0)  # skip when value > mean + sigma * std
     min_history: int = Field(20, ge=2)  # never skip before this many accepted steps
+    # Stop the run after this many skipped steps in a row: the weights no longer produce sane
+    # losses on fresh batches, so skipping more cannot recover and only spends compute.
+    max_consecutive_skips: int = Field(10, ge=1)
 
 
 class TrainSection(_Section):
@@ -83,6 +86,8 @@ class CheckpointSection(_Section):
     keep: int = Field(3, gt=0)  # complete checkpoints kept; older ones deleted
     async_save: bool = True  # save in the background where the framework supports it
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
+    fallback: bool = False  # newest checkpoint damaged: resume from the newest older one that verifies (loudly)
+    allow_recipe_change: bool = False  # resume although precision/optim/schedule/batch/steps changed (loudly)
 
 
 class InitSection(_Section):

@@ -6,22 +6,31 @@ Run dir layout (the same for both trainers, so one tool reads both)::
     RUN/recipe.yaml        the resolved recipe, as run
     RUN/spec.json          the resolved ModelSpec
     RUN/metrics.jsonl      one JSON object per line: kind "train" (per step) or "eval"
-    RUN/checkpoints/step_00000010/   complete checkpoints only (framework format inside)
+    RUN/checkpoints/step_00000010/   a checkpoint (framework format inside); complete once its
+                                     meta.json exists, which lists every other file's size and sha256
     RUN/loss.png           loss curve (train and held-out)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
+import shutil
+import sys
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .recipe import Recipe
+from pydantic import TypeAdapter, ValidationError
+
+from .recipe import MoESection, OptimSection, Recipe, TrainSection
+from .schedules import Schedule
 from .spec import ModelSpec
 
 # Keys of a "train" metrics line; both trainers write exactly these (plus optional extras).
@@ -34,6 +43,20 @@ TRAIN_KEYS = (
 
 class TrainingStateError(ValueError):
     """A checkpoint that does not fit this run (another spec, framework or mixture)."""
+
+
+class TrainingDivergedError(RuntimeError):
+    """The run cannot go on: a non-finite loss, grad norm, parameter or moment, or more skipped
+    steps in a row than the spike guard allows. Raised before any checkpoint of that state is
+    written, so the newest checkpoint is the last good state; the CLIs exit with status 3."""
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows a float (loss above ~709.78)."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -54,8 +77,48 @@ def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True) -> Pa
 
 # ---- checkpoints: metadata shared by both trainers -----------------------------------------
 
+META_FILE = "meta.json"
+# Format /2 lists every other file of the checkpoint with its size and sha256 (meta["files"]);
+# /1 checkpoints were written before that and are resumed unverified, with a warning.
+CHECKPOINT_FORMAT = "olmo-twin-checkpoint/2"
+UNCHECKED_FORMAT = "olmo-twin-checkpoint/1"
+_META_KEYS = ("framework", "step", "spec", "recipe", "loader_state")
+_ATOMIC_TEMP = re.compile(r"\..+\.tmp-(\d+)")  # write_atomic's temporaries
+_CONVERT_STAGING = re.compile(r"\.convert-(\d+)")  # olmo-convert's staging dir inside checkpoints/
+
+
+class CheckpointDamagedError(TrainingStateError):
+    """A checkpoint whose files are not the ones it was committed with, or whose meta.json cannot
+    be read; ``checkpoint.fallback`` resumes from an older one instead."""
+
+
+def loud(text: str) -> None:
+    """A warning nobody may miss: one line on stderr, starting with "!!!"."""
+    print(f"!!! {text}", file=sys.stderr, flush=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID runs on this host (signal 0 probes and sends nothing)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"step_{step:08d}"
+
+
+def _step_of(path: Path) -> int | None:
+    try:
+        return int(path.name.removeprefix("step_")) if path.name.startswith("step_") else None
+    except ValueError:
+        return None
 
 
 def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -67,11 +130,9 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         return []
     out = []
     for p in root.iterdir():
-        if p.name.startswith("step_") and (p / "meta.json").exists():
-            try:
-                out.append((int(p.name.removeprefix("step_")), p))
-            except ValueError:
-                continue
+        step = _step_of(p)
+        if step is not None and (p / META_FILE).exists():
+            out.append((step, p))
     return sorted(out)
 
 
@@ -79,7 +140,7 @@ def training_meta(
     framework: str, step: int, spec: ModelSpec, recipe: Recipe, loader_state: dict[str, Any], extra: dict | None = None
 ) -> dict[str, Any]:
     return {
-        "format": "olmo-twin-checkpoint/1",
+        "format": CHECKPOINT_FORMAT,
         "framework": framework,
         "step": step,
         "spec": spec.model_dump(mode="json"),
@@ -90,13 +151,77 @@ def training_meta(
 
 
 def read_meta(ckpt: Path) -> dict[str, Any]:
-    path = ckpt / "meta.json"
+    path = ckpt / META_FILE
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise TrainingStateError(f"{ckpt}: no meta.json; this is not a complete checkpoint") from None
-    except json.JSONDecodeError as err:
-        raise TrainingStateError(f"{path}: unreadable ({err}); the checkpoint is damaged") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointDamagedError(f"{path}: unreadable ({err}); the checkpoint is damaged") from None
+    missing = [k for k in _META_KEYS if k not in meta] if isinstance(meta, dict) else list(_META_KEYS)
+    if missing:
+        raise CheckpointDamagedError(f"{path}: has no {', '.join(missing)}; the checkpoint is damaged")
+    return meta
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()  # reads in chunks: bounded memory
+
+
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """The sha256 of each file, several files at once (hashlib releases the GIL while it hashes)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def checkpoint_files(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """{path relative to ckpt: {"bytes", "sha256"}} of every file in the checkpoint except
+    meta.json, which records them, and its write_atomic temporaries."""
+    paths = sorted(
+        p for p in ckpt.rglob("*")
+        if p.is_file() and not (p.parent == ckpt and (p.name == META_FILE or p.name.startswith(f".{META_FILE}.tmp-")))
+    )
+    return {
+        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
+        for p, digest in zip(paths, _sha256_all(paths))
+    }
+
+
+def verify_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
+    """Every file meta.json lists is there with its recorded size and sha256, else a one-line
+    CheckpointDamagedError naming the first that is not (sizes first: a missing or cut file is
+    found before anything is read). A checkpoint of UNCHECKED_FORMAT passes with a loud
+    warning: it was written before checksums, and refusing it would strand every such run."""
+    files = meta.get("files")
+    if files is None and meta.get("format") == UNCHECKED_FORMAT:
+        loud(f"{ckpt}: written before checkpoints carried checksums ({UNCHECKED_FORMAT}); its files are not verified")
+        return
+    try:
+        listed = [(ckpt / rel, int(entry["bytes"]), str(entry["sha256"])) for rel, entry in files.items()]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise CheckpointDamagedError(
+            f"{ckpt / META_FILE}: format {meta.get('format')!r} but no valid 'files' list; the checkpoint is damaged"
+        ) from None
+    for path, size, _ in listed:
+        if not path.is_file():
+            raise CheckpointDamagedError(f"{path}: missing ({size} bytes when committed); the checkpoint is damaged")
+        if path.stat().st_size != size:
+            raise CheckpointDamagedError(
+                f"{path}: {path.stat().st_size} bytes, {size} when committed; the checkpoint is damaged"
+            )
+    for (path, _, want), got in zip(listed, _sha256_all([p for p, _, _ in listed])):
+        if got != want:
+            raise CheckpointDamagedError(
+                f"{path}: sha256 {got[:16]}... is not the {want[:16]}... recorded at commit; the checkpoint is damaged"
+            )
+
+
+def read_verified_meta(ckpt: Path) -> dict[str, Any]:
+    """read_meta, then verify_checkpoint: the meta.json of a checkpoint whose files are intact."""
+    meta = read_meta(ckpt)
+    verify_checkpoint(ckpt, meta)
+    return meta
 
 
 def check_meta_fits(meta: dict[str, Any], ckpt: Path, spec: ModelSpec, framework: str | None = None) -> None:
@@ -119,23 +244,175 @@ def check_meta_fits(meta: dict[str, Any], ckpt: Path, spec: ModelSpec, framework
             )
 
 
+# The recipe sections whose fields change the maths of a continued run: (section, schema, the
+# fields compared, None for all). Everything else may change on resume: the layout (mesh,
+# micro-batch, torch/jax sections, which an elastic resize changes), logging, eval and
+# checkpoint cadence, run_dir, init, the spike guard and the data knobs (the mixture itself
+# is checked by its fingerprint). train.steps/tokens are compared through the schedule.
+_MATHS_SECTIONS: tuple[tuple[str, Any, tuple[str, ...] | None], ...] = (
+    ("train", TrainSection, ("precision", "document_masking", "global_batch_tokens", "sequence_length")),
+    ("optim", OptimSection, None),
+    ("schedule", Schedule, None),
+    ("moe", MoESection, None),  # MoE specs only
+)
+
+
+def _maths_changes(
+    theirs: dict[str, Any], recipe: Recipe, spec: ModelSpec, sequence_length: int, step: int
+) -> list[tuple[str, Any, Any, str]]:
+    """(field, checkpoint's value, recipe's value, why) of every change ``recipe`` makes to the
+    checkpoint's recipe ``theirs`` that changes the maths of the run continued at ``step``.
+    A section is read with this schema's defaults for fields written before they existed."""
+    ours = recipe.model_dump(mode="json")
+    changes: list[tuple[str, Any, Any, str]] = []
+    old_train: dict[str, Any] = {}
+    for section, schema, fields in _MATHS_SECTIONS:
+        if section == "moe" and spec.moe is None:
+            continue
+        try:
+            old = TypeAdapter(schema).validate_python(theirs.get(section, {})).model_dump(mode="json")
+        except ValidationError:  # a schema this one cannot read: compared as written
+            old = theirs.get(section, {})
+        new = ours[section]
+        if section == "train":
+            old_train = old
+        keys = ("kind",) if section == "schedule" and old.get("kind") != new["kind"] else fields or tuple(new)
+        for key in keys:
+            a, b = old.get(key), new.get(key)
+            if section == "train" and key == "sequence_length":  # null: the mixture's
+                a, b = a or sequence_length, b or sequence_length
+            if a != b:
+                changes.append((f"{section}.{key}", a, b, ""))
+    old_total = recipe.model_copy(update={"train": TrainSection.model_construct(**old_train)}).total_steps()
+    new_total = recipe.total_steps()
+    if old_total != new_total:
+        # A new total is harmless when the schedule gives every step taken so far the same LR
+        # under both (warmup, a constant LR, WSD's stable phase): the run is then exactly what
+        # the new recipe would have produced. Elsewhere it bends the curve mid-run.
+        sched, peak = recipe.schedule, recipe.optim.lr
+        first = next((s for s in range(1, step + 1)
+                      if sched.lr(s, peak, old_total) != sched.lr(s, peak, new_total)), None)
+        key = "train.steps" if recipe.train.steps is not None else "train.tokens (in steps)"
+        if first is None:
+            print(f"{key}: {old_total} -> {new_total}; the {sched.kind} schedule gave steps 1-{step} the same "
+                  "LR under both, so the run continues as if planned that way", flush=True)
+        else:
+            changes.append((key, old_total, new_total, (
+                f", which changes the LR the {sched.kind} schedule gives the {step} steps already taken "
+                f"(step {first}: {sched.lr(first, peak, new_total):.4g} instead of "
+                f"{sched.lr(first, peak, old_total):.4g})"
+            )))
+    return changes
+
+
+def check_recipe_continues(
+    meta: dict[str, Any], ckpt: Path, recipe: Recipe, spec: ModelSpec, sequence_length: int, step: int
+) -> None:
+    """Refuse a resume whose recipe changes the maths of the run so far (precision, optimizer,
+    schedule, batch, sequence length, the total steps where the schedule depends on it), naming
+    the field, both values and the fix; with checkpoint.allow_recipe_change, say each loudly."""
+    changes = _maths_changes(meta["recipe"], recipe, spec, sequence_length, step)
+    if changes and not recipe.checkpoint.allow_recipe_change:
+        key, old, new, why = changes[0]
+        raise TrainingStateError(
+            f"{ckpt}: the recipe changes {key} from {old!r} (checkpoint) to {new!r}{why}; set it back to {old!r}, "
+            f"use a new run_dir (init.checkpoint={ckpt} starts from its weights), or pass "
+            "--checkpoint.allow_recipe_change=true to continue anyway"
+        )
+    for key, old, new, why in changes:
+        loud(f"{ckpt}: {key} changed from {old!r} to {new!r}{why}; "
+             "continuing because checkpoint.allow_recipe_change=true")
+
+
 def commit_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
-    """Mark a checkpoint complete: meta.json is written last and atomically."""
-    write_atomic(ckpt / "meta.json", json.dumps(meta, indent=2))
+    """Mark a checkpoint complete once the framework's save has finished: meta.json, which adds
+    the size and sha256 of every other file of the checkpoint ("files"), is written last and
+    atomically."""
+    write_atomic(ckpt / META_FILE, json.dumps({**meta, "files": checkpoint_files(ckpt)}, indent=2))
 
 
-def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    import shutil
+def _remove_checkpoint(path: Path) -> None:
+    # meta.json first: a removal cut short leaves an incomplete checkpoint, never a complete
+    # one with files missing.
+    (path / META_FILE).unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
 
+
+def prune_checkpoints(run_dir: Path, keep: int, committed: int | None = None) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints. With ``committed``, the step just
+    committed, first delete the complete checkpoints newer than it: a resume that fell back past
+    a damaged checkpoint (checkpoint.fallback) left them, and the next resume would take them."""
     done = complete_checkpoints(run_dir)
+    if committed is not None:
+        for _, path in (d for d in done if d[0] > committed):
+            _remove_checkpoint(path)
+        done = [d for d in done if d[0] <= committed]
     for _, path in done[: max(len(done) - keep, 0)]:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_checkpoint(path)
+
+
+def clean_orphans(run_dir: Path) -> None:
+    """Remove what interrupted saves, prunes and writes left in a run dir, printing each: step_*
+    dirs without meta.json older than the newest complete checkpoint (a newer one is a save the
+    run replaces when it gets there), and write_atomic temporaries (.NAME.tmp-PID) and
+    olmo-convert staging dirs (checkpoints/.convert-PID) of processes no longer alive. Called
+    by the main process at start-up, after every check passed (one run owns its run dir)."""
+    done = complete_checkpoints(run_dir)
+    newest = done[-1][0] if done else None
+    stale: list[tuple[Path, str]] = []
+    root = run_dir / "checkpoints"
+    for p in sorted(root.iterdir()) if root.is_dir() else ():
+        step, staging = _step_of(p), _CONVERT_STAGING.fullmatch(p.name)
+        if staging and not pid_alive(int(staging[1])):
+            stale.append((p, "staging dir of an olmo-convert that is gone"))
+        elif step is not None and newest is not None and step < newest and not (p / META_FILE).exists():
+            stale.append((p, f"no meta.json (an interrupted save or prune), older than step {newest}"))
+    for folder in (run_dir, *(p for _, p in done)):
+        for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+            temp = _ATOMIC_TEMP.fullmatch(p.name)
+            if temp and p.is_file() and not pid_alive(int(temp[1])):
+                stale.append((p, "temporary file of a write that never finished"))
+    for p, why in stale:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        print(f"removed {p}: {why}", flush=True)
+
+
+def _newest_verified(run_dir: Path, done: list[tuple[int, Path]], fallback: bool) -> tuple[int, Path, dict[str, Any]]:
+    """(step, ckpt, meta) of the newest checkpoint that reads and verifies. A damaged newer one
+    is an error naming the one a fallback would take, unless ``fallback``: then it is skipped
+    loudly (and deleted once the resumed run commits its first checkpoint)."""
+    damaged: list[tuple[Path, CheckpointDamagedError]] = []
+    for step, ckpt in reversed(done):
+        try:
+            meta = read_verified_meta(ckpt)
+        except CheckpointDamagedError as err:
+            damaged.append((ckpt, err))
+            continue
+        if damaged and not fallback:
+            raise CheckpointDamagedError(
+                f"{damaged[0][1]}; --checkpoint.fallback=true resumes from step {step} ({ckpt.name}, the newest "
+                f"checkpoint that verifies), or restore {damaged[0][0].name} from a copy"
+            )
+        for bad, err in damaged:
+            loud(f"{bad.name} skipped: {err}; resuming from {ckpt.name} (step {step}) because "
+                 f"checkpoint.fallback=true; {bad.name} is deleted when this run commits its first checkpoint")
+        return step, ckpt, meta
+    raise CheckpointDamagedError(
+        f"{damaged[0][1]}; no older checkpoint of {run_dir} verifies either: restore one from a copy, "
+        "or use a new run_dir"
+    )
 
 
 def find_resume(run_dir: Path, recipe: Recipe, spec: ModelSpec, framework: str, loader: Any, total_steps: int):
-    """The latest complete checkpoint to resume from, checked against this run before anything is
-    written: (step, ckpt, meta), or None for a fresh run. ``loader`` is the run's MixtureLoader;
-    its state is restored here (a changed mixture fingerprint is an error unless the recipe allows it)."""
+    """The latest complete checkpoint to resume from, verified against the checksums in its
+    meta.json and checked against this run before anything is written: (step, ckpt, meta), or
+    None for a fresh run. ``loader`` is the run's MixtureLoader; its state is restored here (a
+    changed mixture fingerprint is an error unless the recipe allows it). A damaged newest
+    checkpoint is an error, or with checkpoint.fallback skipped for the newest that verifies;
+    a recipe that changes the maths of the run is an error unless checkpoint.allow_recipe_change."""
     done = complete_checkpoints(run_dir)
     if not done:
         return None
@@ -144,8 +421,7 @@ def find_resume(run_dir: Path, recipe: Recipe, spec: ModelSpec, framework: str, 
             f"{run_dir}: has checkpoints up to step {done[-1][0]} but checkpoint.resume is false; "
             "use a new run_dir (or name), or set checkpoint.resume=true"
         )
-    step, ckpt = done[-1]
-    meta = read_meta(ckpt)
+    step, ckpt, meta = _newest_verified(run_dir, done, recipe.checkpoint.fallback)
     check_meta_fits(meta, ckpt, spec, framework)
     loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
     if loader.step != step:
@@ -155,6 +431,7 @@ def find_resume(run_dir: Path, recipe: Recipe, spec: ModelSpec, framework: str, 
             f"{ckpt}: the run is at step {step}, past this recipe's {total_steps} steps; "
             f"raise train.steps to at least {step} or use a new run_dir"
         )
+    check_recipe_continues(meta, ckpt, recipe, spec, loader.mixture.sequence_length, step)
     return step, ckpt, meta
 
 
@@ -202,19 +479,49 @@ class ProgressConsole:
 
 @dataclass
 class SpikeGuard:
-    """Decides, from accepted history only, whether a step's loss or grad norm is a spike."""
+    """Decides, from accepted history only, whether a step's loss or grad norm is a spike, and
+    when the run must stop instead (``decide``)."""
 
     enabled: bool = False
     window: int = 128
     sigma: float = 6.0
     min_history: int = 20
+    max_consecutive_skips: int = 10
     losses: deque = field(default_factory=deque)
     norms: deque = field(default_factory=deque)
+    consecutive_skips: int = 0
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> SpikeGuard:
         g = recipe.spike_guard
-        return cls(enabled=g.enabled, window=g.window, sigma=g.sigma, min_history=g.min_history)
+        return cls(enabled=g.enabled, window=g.window, sigma=g.sigma, min_history=g.min_history,
+                   max_consecutive_skips=g.max_consecutive_skips)
+
+    def decide(self, step: int, loss: float, grad_norm: float) -> bool:
+        """True when this step's update must be skipped. Raises TrainingDivergedError for a
+        non-finite loss or grad norm without the guard (nothing could undo that update), and
+        after more than ``max_consecutive_skips`` skips in a row with it."""
+        if not self.enabled:
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                return False
+            raise TrainingDivergedError(
+                f"step {step}: loss {loss} / grad norm {grad_norm} is not finite; stopped before any checkpoint "
+                "of this state was written; resume from the newest checkpoint with a lower optim.lr "
+                "(--optim.lr=... --checkpoint.allow_recipe_change=true), or --spike_guard.enabled=true to skip such steps"
+            )
+        if not self.should_skip(loss, grad_norm):
+            self.consecutive_skips = 0
+            self.record(loss, grad_norm)
+            return False
+        self.consecutive_skips += 1
+        if self.consecutive_skips > self.max_consecutive_skips:
+            raise TrainingDivergedError(
+                f"step {step}: the spike guard skipped {self.consecutive_skips} steps in a row (loss {loss}, "
+                f"grad norm {grad_norm}; spike_guard.max_consecutive_skips={self.max_consecutive_skips}): the "
+                "weights no longer recover; resume from an earlier checkpoint with a lower optim.lr "
+                "(--optim.lr=... --checkpoint.allow_recipe_change=true)"
+            )
+        return True
 
     @staticmethod
     def _too_high(history: deque, value: float, sigma: float) -> bool:
@@ -239,12 +546,23 @@ class SpikeGuard:
             self.losses.popleft()
             self.norms.popleft()
 
-    def state_dict(self) -> dict[str, list[float]]:
-        return {"losses": list(self.losses), "norms": list(self.norms)}
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "norms": list(self.norms), "consecutive_skips": self.consecutive_skips}
 
-    def load_state_dict(self, state: dict[str, list[float]]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = deque(state.get("losses", []))
         self.norms = deque(state.get("norms", []))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+
+
+def refuse_non_finite_state(step: int, run_dir: Path) -> None:
+    """Stop instead of checkpointing a state whose parameters or moments are not finite."""
+    done = complete_checkpoints(run_dir)
+    newest = f"the newest checkpoint is step {done[-1][0]}" if done else "no checkpoint was written before"
+    raise TrainingDivergedError(
+        f"step {step}: parameters or optimizer moments are not finite; not checkpointing them ({newest}); "
+        "resume from it with a lower optim.lr (--optim.lr=... --checkpoint.allow_recipe_change=true)"
+    )
 
 
 # ---- metrics --------------------------------------------------------------------------------
@@ -258,10 +576,7 @@ class MetricsLog:
         self.enabled = enabled
         self.started = time.time()
         if enabled and self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step
-            ]
+            kept = [line for line, record in _metric_lines(self.path) if record.get("step", 0) <= resume_step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -271,9 +586,42 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
+def _metric_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, record) of every record. A last line with no newline after it that is not JSON
+    is an append cut short (disk full, a kill mid-write) and is left out; anywhere else, a
+    line that is not JSON means the file was damaged, which is an error."""
+    lines = path.read_text().split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue
+            raise TrainingStateError(
+                f"{path}: line {i + 1} is not JSON; the metrics log is damaged: repair or delete that line"
+            ) from None
+    return out
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     path = path / "metrics.jsonl" if path.is_dir() else path
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _metric_lines(path)]
+
+
+def final_eval_pending(run_dir: Path, step: int, held_out: list[str]) -> bool:
+    """Whether a run whose last checkpoint is its final ``step`` still lacks its end: the eval
+    line of that step (when it has held-out sources) or the loss plot (a kill between the final
+    checkpoint and those leaves them unwritten)."""
+    import importlib.util
+
+    if not (run_dir / "loss.png").exists() and importlib.util.find_spec("matplotlib") is not None:
+        return True
+    if not held_out or not (run_dir / "metrics.jsonl").exists():
+        return bool(held_out)
+    return not any(r.get("kind") == "eval" and r.get("step") == step for r in read_metrics(run_dir))
 
 
 def plot_loss(run_dir: Path) -> Path | None:
@@ -332,4 +680,6 @@ def print_summary(run_dir: Path, title: str) -> None:
     if evals:
         for name, vals in evals[-1]["eval"].items():
             table.add_row(f"held-out {name} loss / ppl", f"{vals['loss']:.4f} / {vals['perplexity']:.2f}")
+        if any(r.get("leakage_allowed") for r in evals):
+            table.add_row("held-out leakage", "ALLOWED (data.allow_leakage=true): held-out figures may be memorised")
     Console(stderr=True).print(table)

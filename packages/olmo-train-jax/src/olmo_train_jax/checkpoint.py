@@ -5,10 +5,12 @@
 
 Saving: Orbax copies the arrays to host memory and returns; the files are written in the
 background when ``checkpoint.async_save``. A checkpoint only counts once ``meta.json`` exists,
-and that is written by a commit thread after Orbax reports the save finished, so a crash
-mid-save leaves an incomplete directory that resume ignores (and the next save of that
-step replaces). Restoring takes abstract arrays that carry the CURRENT mesh's shardings, so
-a checkpoint written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
+and that is written by a commit thread after Orbax reports the save finished (with the size
+and sha256 of every file, hashed on that thread: ``runlog.commit_checkpoint``), so a crash
+mid-save leaves an incomplete directory that resume ignores (the next save of that step
+replaces it; ``runlog.clean_orphans`` removes older ones when the Checkpointer starts).
+Restoring takes abstract arrays that carry the CURRENT mesh's shardings, so a checkpoint
+written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from olmo_model.runlog import checkpoint_dir, commit_checkpoint, prune_checkpoints
+from olmo_model.runlog import TrainingStateError, checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
 
 # Test hook: SIGKILL this process right after the step-N checkpoint is committed, to test
 # exact resume after a hard crash (see train.py's docstring).
@@ -44,6 +46,8 @@ class Checkpointer:
         self._error: BaseException | None = None
         kill = os.environ.get(KILL_AFTER_CHECKPOINT_ENV)
         self._kill_after = int(kill) if kill else None
+        if self.is_main:
+            clean_orphans(run_dir)
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         self.wait()
@@ -66,7 +70,7 @@ class Checkpointer:
             self._orbax.wait_until_finished()
             if self.is_main:
                 commit_checkpoint(ckpt, meta)
-                prune_checkpoints(self.run_dir, self.keep)
+                prune_checkpoints(self.run_dir, self.keep, committed=step)
         except BaseException as err:  # re-raised in the training thread by wait()
             self._error = err
             return
@@ -96,7 +100,18 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
 
 
 def restore_state(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
-    """(params, opt_state or None, step) from a checkpoint, placed on the current mesh."""
+    """(params, opt_state or None, step) from a checkpoint, placed on the current mesh. A
+    checkpoint Orbax cannot read (damaged, or of another model) is a one-line TrainingStateError."""
+    try:
+        return _restore(ckpt, abstract_params, abstract_opt_state)
+    except (ValueError, KeyError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TrainingStateError(
+            f"{ckpt}: Orbax cannot restore it onto this model ({first}); the checkpoint is damaged or of another model"
+        ) from None
+
+
+def _restore(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
     target: dict[str, Any] = {"params": abstract_params, "step": 0}
     if abstract_opt_state is not None:
         with ocp.StandardCheckpointer() as orbax:

@@ -5,7 +5,9 @@
 
 Without a recipe it runs the defaults (model "small", the embedded sample mixture, 100 steps
 of 16 x 512 tokens). A recipe, spec, data or checkpoint problem prints one line to stderr
-and exits with status 2, before anything is written to the run dir.
+and exits with status 2, before anything is written to the run dir. A run that diverges (a
+non-finite loss or state, or too many skipped steps in a row) stops with one line and status
+3, before any checkpoint of the bad state is written.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from olmo_data.errors import DataError
 from olmo_model import SpecError, UnknownDeviceError
 from olmo_model.recipe import RecipeError, load_recipe
-from olmo_model.runlog import TrainingStateError
+from olmo_model.runlog import TrainingDivergedError, TrainingStateError
 
 from .hf_adapter import CheckpointMismatchError
 
@@ -37,4 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     except INPUT_ERRORS as err:
         print(f"olmo-train-jax: error: {err}", file=sys.stderr)
         return 2
+    except TrainingDivergedError as err:
+        print(f"olmo-train-jax: stopped: {err}", file=sys.stderr)
+        return 3
     return 0

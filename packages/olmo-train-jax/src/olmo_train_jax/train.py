@@ -57,21 +57,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from olmo_data import Mixture, MixtureLoader, open_training_mixture
-from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
-from olmo_model.init_source import InitSource, resolve_init
-from olmo_model.recipe import BatchLayout, Recipe, batch_layout
-from olmo_model.runlog import (
-    MetricsLog,
-    ProgressConsole,
-    SpikeGuard,
-    TrainingStateError,
-    find_resume,
-    plot_loss,
-    prepare_run_dir,
-    print_summary,
-    training_meta,
-)
+from olmo_model import ModelSpec, resolve_device_kind
+from olmo_model.recipe import Recipe
+from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
+from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
@@ -279,6 +268,14 @@ def make_step_functions(
     )
 
 
+@jax.jit
+def all_finite(*trees: Any) -> jax.Array:
+    """Whether every floating-point leaf of the trees is finite (integer leaves, such as
+    AdamW's step count, always are): checked before a state is checkpointed."""
+    leaves = [x for t in trees for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
 @dataclass
 class MeshModel:
     """A model made ready for a mesh and split: its graphdef, its parameters (a pure dict,
@@ -347,51 +344,27 @@ def device_peak() -> tuple[float, str]:
     return entry.bf16_flops_per_device, f"{entry.kind} bf16 {entry.bf16_flops_per_device / 1e12:.0f} TFLOP/s"
 
 
-# ---- start-up: everything that can fail before the run dir is touched ------------------------
+# ---- the run: the JAX side of olmo_run's driver ---------------------------------------------
 
-@dataclass
-class Plan:
-    recipe: Recipe
-    spec: ModelSpec
-    mixture: Mixture
-    sequence_length: int
-    layout: BatchLayout
-    mesh: jax.sharding.Mesh
-    total_steps: int
-    loader: MixtureLoader
-    resume: tuple[int, Path, dict] | None  # (step, checkpoint dir, meta)
-    init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
-    init_tensors: dict[str, np.ndarray] | None  # HF weights of init.checkpoint=hf:DIR, validated
-
-
-def plan_run(recipe: Recipe) -> Plan:
-    """Check everything that can be checked without writing: raises RecipeError, SpecError,
-    DataError or TrainingStateError with a one-line message."""
-    spec = recipe.model_spec()
-    mixture = open_training_mixture(
-        recipe.data.mixture,
-        sequence_length=recipe.train.sequence_length,
-        model_vocab_size=spec.vocab_size,
-        max_positions=spec.max_position_embeddings,
-        allow_leakage=recipe.data.allow_leakage,
-    )
-    seq = mixture.sequence_length
-    global_batch = recipe.global_batch_sequences(seq)
+def train(recipe: Recipe) -> Path:
+    """Run (or resume) the recipe's training job; returns the run dir."""
+    sharding.initialize_distributed(recipe)
+    is_main = jax.process_index() == 0
+    if is_main:
+        print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
     mesh = sharding.make_mesh(recipe.jax.mesh)
-    sharding.check_mesh_for_spec(mesh, spec)
-    layout = batch_layout(global_batch, sharding.dp_size(mesh), recipe.train.micro_batch_size)
-    total = recipe.total_steps()
-    loader = MixtureLoader(
-        mixture, global_batch, dp_rank=jax.process_index(), dp_size=jax.process_count(), prefetch=recipe.data.prefetch
+    plan = plan_run(
+        recipe, FRAMEWORK, dp_size=sharding.dp_size(mesh), loader_rank=jax.process_index(),
+        loader_size=jax.process_count(), check_spec=partial(sharding.check_mesh_for_spec, mesh),
     )
-    resume = find_resume(recipe.resolved_run_dir(), recipe, spec, FRAMEWORK, loader, total)
-    init, init_tensors = None, None
-    if resume is None:
-        init = resolve_init(recipe, spec, FRAMEWORK)
-        if init is not None and init.is_hf:
-            init_tensors = _read_safetensors(init.path)
-            validate_hf(spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
-    return Plan(recipe, spec, mixture, seq, layout, mesh, total, loader, resume, init, init_tensors)
+    init_tensors = None
+    if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
+        init_tensors = _read_safetensors(plan.init.path)
+        validate_hf(plan.spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
+    if announce_finished(plan, is_main):
+        return plan.run_dir
+    return run(plan, partial(JaxTrainModule, plan, mesh, init_tensors), is_main=is_main,
+               describe=[sharding.describe_mesh(mesh)], title=f"olmo-train-jax: {plan.run_dir}")
 
 
 def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -402,8 +375,6 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
         tensors.update(load_file(f))
     return tensors
 
-
-# ---- the run -------------------------------------------------------------------------------
 
 def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     """Every process holds the whole evaluation batch; split it over data-parallel devices when
@@ -416,177 +387,102 @@ def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> di
     }
 
 
-def run_eval(fns: StepFunctions, params: Any, plan: Plan) -> dict[str, dict[str, float]]:
-    """Token-weighted CE over each held-out source's fixed evaluation set."""
-    out = {}
-    for name in plan.mixture.held_out_sources:
-        ce_total, n_total = 0.0, 0.0
-        for batch in plan.loader.eval_batches(name, plan.recipe.eval.batch_size):
-            b = _put_eval_batch(batch, plan.mesh)
-            ce, n = fns.evaluate(params, b["input_ids"], b["labels"], b["doc_ids"])
-            ce_total += float(ce)
-            n_total += float(n)
-        loss = ce_total / max(n_total, 1.0)
-        out[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": int(n_total)}
-    return out
+class JaxTrainModule:
+    """The JAX trainer's state (parameters and AdamW state placed on the mesh) and its jitted
+    step, eval and Orbax checkpoints, as ``olmo_run.TrainModule``."""
+
+    framework = FRAMEWORK
+
+    def __init__(self, plan: RunPlan, mesh: jax.sharding.Mesh, init_tensors: dict[str, np.ndarray] | None):
+        recipe, spec = plan.recipe, plan.spec
+        self.plan, self.mesh = plan, mesh
+        compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
+        make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat,
+                             attention=recipe.jax.attention)
+        prepared = for_mesh(nnx.eval_shape(make_model), spec, recipe, mesh)
+        abstract_params = abstract_like(prepared.params, prepared.params_sh)
+        abstract_opt = abstract_like(prepared.abstract_opt, prepared.opt_sh)
+        if plan.resume is not None:
+            step, ckpt, _ = plan.resume
+            self.params, self.opt_state, saved_step = restore_state(ckpt, abstract_params, abstract_opt)
+            if saved_step != step:
+                raise TrainingStateError(f"{ckpt}: state holds step {saved_step} but meta.json says {step}; damaged")
+        else:
+            self.params, self.opt_state = _initial_state(plan, init_tensors, make_model, abstract_params, abstract_opt)
+            if self.opt_state is None:
+                self.opt_state = jax.jit(prepared.tx.init, out_shardings=prepared.opt_sh)(self.params)
+        self.fns = make_step_functions(prepared.graphdef, spec, recipe, prepared.tx, prepared.params_sh,
+                                       prepared.opt_sh, mesh)
+        self.n_devices = jax.device_count()
+        self.peak = device_peak()
+        self.checkpointer = Checkpointer(plan.run_dir, recipe.checkpoint.keep, recipe.checkpoint.async_save)
+
+    def train_step(self, local: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard) -> StepResult:
+        layout = self.plan.layout
+        batch = {
+            k: sharding.global_batch_array(local[k], self.mesh, layout.accumulation_steps, layout.global_batch)
+            for k in BATCH_KEYS
+        }
+        lr_arg = np.float32(lr)
+        if guard.enabled:
+            grads, stats = self.fns.grads(self.params, batch, step)
+            skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
+            if not skipped:
+                self.params, self.opt_state = self.fns.apply(self.params, self.opt_state, grads,
+                                                             stats["grad_norm"], lr_arg)
+            del grads
+        else:
+            # The update is applied in the same program; a non-finite loss stops the run here,
+            # before anything of that state is saved.
+            self.params, self.opt_state, stats = self.fns.fused(self.params, self.opt_state, batch, lr_arg, step)
+            skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
+        moe_step = stats.pop("moe", None)
+        values = {k: float(v) for k, v in stats.items()}
+        # The MoE contract's moe_* keys.
+        extra = {} if moe_step is None else moe_metrics(moe_step, ep_size=sharding.expert_size(self.mesh))
+        return StepResult(values["loss"], values["ce_loss"], values["z_loss"], values["grad_norm"], skipped, extra)
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """Token-weighted CE over each held-out source's fixed evaluation set."""
+        out = {}
+        for name in self.plan.mixture.held_out_sources:
+            ce_total, n_total = 0.0, 0.0
+            for batch in self.plan.loader.eval_batches(name, self.plan.recipe.eval.batch_size):
+                b = _put_eval_batch(batch, self.mesh)
+                ce, n = self.fns.evaluate(self.params, b["input_ids"], b["labels"], b["doc_ids"])
+                ce_total += float(ce)
+                n_total += float(n)
+            loss = ce_total / max(n_total, 1.0)
+            out[name] = {"loss": loss, "perplexity": perplexity(loss), "tokens": int(n_total)}
+        return out
+
+    def state_is_finite(self) -> bool:
+        return bool(all_finite(self.params, self.opt_state))
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"mesh": dict(self.mesh.shape)}
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.checkpointer.save(step, self.params, self.opt_state, meta)
+
+    def poll(self) -> None:
+        """Orbax commits on its own thread; nothing to do between steps."""
+
+    def close(self) -> None:
+        self.checkpointer.close()
 
 
-def train(recipe: Recipe) -> Path:
-    """Run (or resume) the recipe's training job; returns the run dir."""
-    sharding.initialize_distributed(recipe)
-    is_main = jax.process_index() == 0
-    if is_main:
-        print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
-    plan = plan_run(recipe)
-    spec, layout, mesh, total = plan.spec, plan.layout, plan.mesh, plan.total_steps
-    run_dir = recipe.resolved_run_dir()
-    start = plan.resume[0] if plan.resume else 0
-    if start == total:
-        print(f"{run_dir}: already complete (checkpoint at step {total} of {total}); nothing to do", flush=True)
-        return run_dir
-
-    print(sharding.describe_mesh(mesh), flush=True)
-    print(f"batch layout: {layout.describe()} (sequence length {plan.sequence_length})", flush=True)
-    prepare_run_dir(recipe, spec, is_main)
-
-    compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
-    make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat,
-                         attention=recipe.jax.attention)
-    prepared = for_mesh(nnx.eval_shape(make_model), spec, recipe, mesh)
-    graphdef, abstract_params, tx = prepared.graphdef, prepared.params, prepared.tx
-    params_sh, abstract_opt, opt_sh = prepared.params_sh, prepared.abstract_opt, prepared.opt_sh
-    init_opt = jax.jit(tx.init, out_shardings=opt_sh)
-
-    guard = SpikeGuard.from_recipe(recipe)
-    if plan.resume:
-        step0, ckpt, meta = plan.resume
-        params, opt_state, saved_step = restore_state(
-            ckpt, abstract_like(abstract_params, params_sh), abstract_like(abstract_opt, opt_sh)
-        )
-        if saved_step != step0:
-            raise TrainingStateError(f"{ckpt}: state holds step {saved_step} but meta.json says {step0}; damaged")
-        guard.load_state_dict(meta.get("spike_guard", {}))
-        before = meta.get("layout")
-        print(
-            f"resumed from {ckpt} at step {step0}"
-            + (f" (it was written with {BatchLayout(**before).describe()})" if before else ""),
-            flush=True,
-        )
-    else:
-        params, opt_state = _initial_state(
-            plan, make_model, abstract_like(abstract_params, params_sh), abstract_like(abstract_opt, opt_sh)
-        )
-        opt_state = init_opt(params) if opt_state is None else opt_state
-
-    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
-    peak, peak_label = device_peak()
-    n_devices = jax.device_count()
-    seq = plan.sequence_length
-    tokens_per_step = layout.global_batch * seq
-    fpt = flops_per_token(spec, seq)
-    metrics = MetricsLog(run_dir, resume_step=start, enabled=is_main)
-    checkpointer = Checkpointer(run_dir, recipe.checkpoint.keep, recipe.checkpoint.async_save)
-    console = ProgressConsole(recipe.log.progress, is_main, total, start)
-    started = time.time()
-
-    def save(step: int) -> None:
-        extra = {"spike_guard": guard.state_dict(), "layout": layout.model_dump(), "mesh": dict(mesh.shape)}
-        meta = training_meta(FRAMEWORK, step, spec, recipe, plan.loader.state_dict(), extra)
-        checkpointer.save(step, params, opt_state, meta)
-
-    def evaluate(step: int) -> None:
-        if not plan.mixture.held_out_sources:
-            return
-        result = run_eval(fns, params, plan)
-        metrics.write({"kind": "eval", "step": step, "eval": result})
-        console.line(f"eval step {step}: " + ", ".join(
-            f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items()
-        ))
-
-    batches = iter(plan.loader)
-    try:
-        for step in range(start + 1, total + 1):
-            # The step time includes waiting for the batch, not checkpointing or evaluation.
-            t0 = time.perf_counter()
-            local = next(batches)
-            batch = {
-                k: sharding.global_batch_array(local[k], mesh, layout.accumulation_steps, layout.global_batch)
-                for k in BATCH_KEYS
-            }
-            lr = recipe.schedule.lr(step, recipe.optim.lr, total)
-            lr_arg = np.float32(lr)
-            if guard.enabled:
-                grads, stats = fns.grads(params, batch, step)
-                loss, grad_norm = float(stats["loss"]), float(stats["grad_norm"])
-                skipped = guard.should_skip(loss, grad_norm)
-                if skipped:
-                    del grads
-                else:
-                    guard.record(loss, grad_norm)
-                    params, opt_state = fns.apply(params, opt_state, grads, stats["grad_norm"], lr_arg)
-            else:
-                params, opt_state, stats = fns.fused(params, opt_state, batch, lr_arg, step)
-                skipped = False
-            moe_step = stats.pop("moe", None)
-            values = {k: float(v) for k, v in stats.items()}
-            step_time = time.perf_counter() - t0
-            tps = tokens_per_step / step_time
-            if step % recipe.log.every == 0 or step == total:
-                record = {
-                    "kind": "train",
-                    "step": step,
-                    "loss": values["loss"],
-                    "ce_loss": values["ce_loss"],
-                    "z_loss": values["z_loss"],
-                    "lr": lr,
-                    "grad_norm": values["grad_norm"],
-                    "skipped": skipped,
-                    "tokens_seen": step * tokens_per_step,
-                    "tokens_per_second": tps,
-                    "tokens_per_second_per_device": tps / n_devices,
-                    "tflops_per_device": fpt * tps / n_devices / 1e12,
-                    "mfu": mfu(spec, seq, tps / n_devices, peak_flops_per_device=peak),
-                    "mfu_peak": peak_label,
-                    "step_time": step_time,
-                    "time": time.time() - started,
-                }
-                if moe_step is not None:  # the MoE contract's moe_* keys
-                    record.update(moe_metrics(moe_step, ep_size=sharding.expert_size(mesh)))
-                metrics.write(record)
-                console.line(
-                    f"step {step}/{total} loss {values['loss']:.4f} lr {lr:.3e} grad_norm {values['grad_norm']:.3f}"
-                    f" {tps:,.0f} tok/s mfu {record['mfu']:.1%}" + (" SKIPPED" if skipped else "")
-                )
-            console.advance(f"loss {values['loss']:.4f}")
-            if step % recipe.checkpoint.every == 0 or step == total:
-                save(step)
-            if step % recipe.eval.every == 0 or step == total:
-                evaluate(step)
-    finally:
-        batches.close()  # stops the loader's prefetch threads
-        console.close()
-        checkpointer.close()
-
-    if is_main:
-        print_summary(run_dir, f"olmo-train-jax: {run_dir}")
-        png = plot_loss(run_dir)
-        if png is not None:
-            print(f"loss curve: {png}", flush=True)
-    return run_dir
-
-
-def _initial_state(plan: Plan, make_model, abstract_params: Any, abstract_opt: Any) -> tuple[Any, Any | None]:
+def _initial_state(
+    plan: RunPlan, init_tensors: dict[str, np.ndarray] | None, make_model, abstract_params: Any, abstract_opt: Any
+) -> tuple[Any, Any | None]:
     """(params, AdamW state or None) to start from: fresh weights from recipe.train.seed, or
     init.checkpoint's weights (and moments when init.load_optimizer), on the current mesh."""
     init = plan.init
     params_sh = jax.tree.map(lambda a: a.sharding, abstract_params)
     if init is None:
         return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)(), None
-    print(init.describe(), flush=True)
-    if plan.init_tensors is not None:
-        pure = nnx.to_pure_dict(nnx.split(model_from_hf(plan.spec, plan.init_tensors))[1])
+    if init_tensors is not None:
+        pure = nnx.to_pure_dict(nnx.split(model_from_hf(plan.spec, init_tensors))[1])
         return jax.tree.map(jax.device_put, pure, params_sh), None
-    params, opt_state, _ = restore_state(
-        init.path, abstract_params, abstract_opt if init.load_optimizer else None
-    )
+    params, opt_state, _ = restore_state(init.path, abstract_params, abstract_opt if init.load_optimizer else None)
     return params, opt_state

@@ -4,8 +4,9 @@ Layout of one checkpoint (``olmo_model.runlog`` owns the run dir around it)::
 
     RUN/checkpoints/step_00000010/
         .metadata, __0_0.distcp, ...   DCP: {"model": ..., "optim": ...}, one file per rank
-        meta.json                      step, loader state, recipe, spec, spike guard, RNG
-                                       (written last: its presence marks the checkpoint complete)
+        meta.json                      step, loader state, recipe, spec, spike guard, RNG, and
+                                       the size and sha256 of every other file ("files"; written
+                                       last: its presence marks the checkpoint complete)
 
 Model and optimizer go through ``get_state_dict`` / ``set_state_dict``, so the stored keys
 are the plain module names whatever the wrapper (FSDP2, HSDP, DDP, none, activation
@@ -14,7 +15,8 @@ or on one process without a process group.
 
 With ``checkpoint.async_save`` the state is staged to CPU memory before ``save`` returns
 and written by a background thread (over its own gloo group, so its collectives never
-interleave with training's); rank 0 writes meta.json only when that write has finished.
+interleave with training's); rank 0 writes meta.json only when that write has finished,
+hashing the files first (``runlog.commit_checkpoint``).
 
 Test hook: the environment variable ``OLMO_TEST_KILL_AFTER_CHECKPOINT=N`` makes rank 0
 SIGKILL its own process right after the step-N checkpoint is committed (crash-resume tests).
@@ -35,8 +37,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from olmo_model.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, prune_checkpoints
+from olmo_model.runlog import (
+    TrainingStateError,
+    checkpoint_dir,
+    clean_orphans,
+    commit_checkpoint,
+    prune_checkpoints,
+)
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -83,6 +92,8 @@ class Checkpointer:
         self.pending: tuple[Future, Path, dict[str, Any]] | None = None
         # A separate group keeps the background save's collectives off the training group.
         self.group = dist.new_group(backend="gloo") if (async_save and d.initialized) else None
+        if d.is_main:
+            clean_orphans(run_dir)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, meta: dict[str, Any]) -> None:
         """Write model + optimizer for ``step``; meta.json follows once the data is on disk."""
@@ -114,7 +125,7 @@ class Checkpointer:
         if not self.d.is_main:
             return
         commit_checkpoint(ckpt, meta)
-        prune_checkpoints(self.run_dir, self.keep)
+        prune_checkpoints(self.run_dir, self.keep, committed=meta["step"])
         if os.environ.get(KILL_ENV) == str(meta["step"]):
             print(f"{KILL_ENV}: killing the process after the step-{meta['step']} checkpoint", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -143,6 +154,11 @@ def load_checkpoint(
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=str(ckpt), no_dist=no_dist)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    except (RuntimeError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise TrainingStateError(f"{ckpt}: cannot load it into this model/optimizer ({first})") from None
+    except (RuntimeError, KeyError, CheckpointException) as err:
+        # DCP wraps what failed on each rank (a missing or unreadable file, say) in a
+        # CheckpointException whose text is a traceback: report the first rank's error itself.
+        cause = next(iter(err.failures.values()))[0] if isinstance(err, CheckpointException) and err.failures else err
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise TrainingStateError(
+            f"{ckpt}: cannot load it into this model/optimizer ({first}); the checkpoint is damaged or of another model"
+        ) from None

@@ -12,7 +12,9 @@ Several processes on one machine (one per GPU; on CPU the gloo backend)::
 Several machines: see ``olmo_train_torch.parallelize``. Without a recipe the defaults run
 (model "small", the embedded sample mixture, 100 steps of 16 x 512 tokens). A bad recipe,
 spec, mixture or checkpoint prints one line to stderr (rank 0) and exits with status 2,
-before the run dir is touched.
+before the run dir is touched. A run that diverges (a non-finite loss or state, or too many
+skipped steps in a row) stops with one line and status 3, before any checkpoint of the bad
+state is written.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from olmo_data import DataError
 from olmo_model import SpecError, UnknownDeviceError
 from olmo_model.recipe import RecipeError, load_recipe
-from olmo_model.runlog import TrainingStateError
+from olmo_model.runlog import TrainingDivergedError, TrainingStateError
 
 from .hf_adapter import CheckpointMismatchError
 from .parallelize import env_rank
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         if env_rank() == 0:
             print(f"olmo-train-torch: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except TrainingDivergedError as err:
+        if env_rank() == 0:
+            print(f"olmo-train-torch: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

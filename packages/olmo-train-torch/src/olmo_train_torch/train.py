@@ -48,20 +48,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from olmo_data import Mixture, MixtureLoader, open_training_mixture
-from olmo_model import ModelSpec, flops_per_token, mfu, resolve_device_kind
-from olmo_model.init_source import InitSource, resolve_init
-from olmo_model.recipe import BatchLayout, Recipe, batch_layout
-from olmo_model.runlog import (
-    MetricsLog,
-    ProgressConsole,
-    SpikeGuard,
-    find_resume,
-    plot_loss,
-    prepare_run_dir,
-    print_summary,
-    training_meta,
-)
+from olmo_data import MixtureLoader
+from olmo_model import ModelSpec, resolve_device_kind
+from olmo_model.recipe import BatchLayout, Recipe
+from olmo_model.runlog import SpikeGuard, perplexity
+from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -245,11 +236,9 @@ def train_step(
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = grad_global_norm(params)
     grad_norm = float(norm)
-    skipped = guard.should_skip(loss, grad_norm)
-    if skipped:
+    if guard.decide(step, loss, grad_norm):  # raises for a non-finite step the guard cannot skip
         optimizer.zero_grad(set_to_none=True)
         return StepStats(loss, ce_mean, z_mean, grad_norm, True, moe)
-    guard.record(loss, grad_norm)
     if recipe.optim.grad_clip is not None:
         clip_gradients(params, recipe.optim.grad_clip, norm)
     for group in optimizer.param_groups:
@@ -257,6 +246,16 @@ def train_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepStats(loss, ce_mean, z_mean, grad_norm, False, moe)
+
+
+def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distributed) -> bool:
+    """Whether every parameter and optimizer moment is finite on every rank (each rank checks
+    its own shards; one all-reduce of the count of non-finite tensors)."""
+    tensors = [*model.parameters(), *(v for st in optimizer.state.values() for v in st.values()
+                                      if isinstance(v, torch.Tensor) and v.is_floating_point())]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in local)
+    return d.all_reduce_sum(torch.tensor(float(bad), dtype=torch.float64, device=d.device)).item() == 0
 
 
 def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
@@ -304,7 +303,7 @@ def evaluate(
         d.all_reduce_sum(sums)
         ce_total, n = sums.tolist()
         loss = ce_total / max(n, 1.0)
-        out[name] = {"loss": loss, "perplexity": math.exp(loss), "tokens": int(n)}
+        out[name] = {"loss": loss, "perplexity": perplexity(loss), "tokens": int(n)}
     return out
 
 
@@ -331,54 +330,6 @@ def device_peak(device: torch.device) -> tuple[float, str]:
     return peak, f"measured cpu fp32 matmul {peak / 1e9:.1f} GFLOP/s"
 
 
-# ---- start-up: everything that can fail before the run dir is touched -------------------------
-
-@dataclass
-class Plan:
-    recipe: Recipe
-    spec: ModelSpec
-    mixture: Mixture
-    sequence_length: int
-    layout: BatchLayout
-    total_steps: int
-    loader: MixtureLoader
-    resume: tuple[int, Path, dict[str, Any]] | None  # (step, checkpoint dir, meta)
-    init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
-
-
-def plan_run(recipe: Recipe, rank: int, world_size: int) -> Plan:
-    """Check everything checkable without writing; raises RecipeError, SpecError, DataError,
-    LeakageError or TrainingStateError with a one-line message."""
-    spec = recipe.model_spec()
-    mixture = open_training_mixture(
-        recipe.data.mixture,
-        sequence_length=recipe.train.sequence_length,
-        model_vocab_size=spec.vocab_size,
-        max_positions=spec.max_position_embeddings,
-        allow_leakage=recipe.data.allow_leakage,
-    )
-    seq = mixture.sequence_length
-    global_batch = recipe.global_batch_sequences(seq)
-    layout = batch_layout(global_batch, world_size, recipe.train.micro_batch_size)
-    check_parallel(recipe.torch, world_size, spec)
-    total = recipe.total_steps()
-    loader = MixtureLoader(
-        mixture, global_batch, dp_rank=rank, dp_size=world_size, prefetch=recipe.data.prefetch
-    )
-    resume = find_resume(recipe.resolved_run_dir(), recipe, spec, FRAMEWORK, loader, total)
-    init = resolve_init(recipe, spec, FRAMEWORK) if resume is None else None
-    return Plan(recipe, spec, mixture, seq, layout, total, loader, resume, init)
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
-
-
 # ---- the run -----------------------------------------------------------------------------------
 
 def prepare_model(
@@ -399,132 +350,87 @@ def train(recipe: Recipe) -> Path:
     rank, world_size, _ = process_layout()
     if rank == 0:
         print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
-    plan = plan_run(recipe, rank, world_size)
-    spec, layout, total, seq = plan.spec, plan.layout, plan.total_steps, plan.sequence_length
-    run_dir = recipe.resolved_run_dir()
-    start = plan.resume[0] if plan.resume else 0
-    if start == total:
-        if rank == 0:
-            print(f"{run_dir}: already complete (checkpoint at step {total} of {total}); nothing to do", flush=True)
-        return run_dir
-
+    plan = plan_run(recipe, FRAMEWORK, dp_size=world_size, loader_rank=rank, loader_size=world_size,
+                    check_spec=lambda spec: check_parallel(recipe.torch, world_size, spec))
+    if announce_finished(plan, rank == 0):
+        return plan.run_dir
     d = init_distributed(recipe.torch.backend)
     mesh = build_mesh(d, recipe.torch)
     experts = build_expert_mesh(d, recipe.torch)
-    console = ProgressConsole(recipe.log.progress, d.is_main, total, start)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
-    console.line(f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
-                 + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")
-                 + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else ""))
-    console.line(f"batch layout: {layout.describe()} (sequence length {seq})")
-    prepare_run_dir(recipe, spec, d.is_main)
-    d.barrier()
+    describe = (f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
+                + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")
+                + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else ""))
+    return run(plan, lambda: TorchTrainModule(plan, d, mesh, experts), is_main=d.is_main, describe=[describe],
+               title=f"olmo-train-torch: {plan.run_dir}")
 
-    torch.manual_seed(recipe.train.seed)
-    model = build_model(spec, seed=recipe.train.seed, device=d.device)
-    init = plan.init
-    if init is not None and init.is_hf:
-        load_hf(model, read_safetensors(init.path), source=f"init.checkpoint={recipe.init.checkpoint}")
-    model = prepare_model(model, recipe, d, mesh, experts)
-    optimizer = make_optimizer(model, recipe, d.device)
-    guard = SpikeGuard.from_recipe(recipe)
-    if plan.resume is not None:
-        step0, ckpt, meta = plan.resume
-        load_checkpoint(ckpt, d, model, optimizer)
-        apply_recipe_hyperparams(optimizer, recipe)
-        guard.load_state_dict(meta.get("spike_guard", {}))
-        set_rng_state(meta.get("rng", {}))
-        before = meta.get("layout")
-        console.line(
-            f"resumed from {ckpt} at step {step0}"
-            + (f" (written with {BatchLayout(**before).describe()}; now {layout.describe()})" if before else "")
-        )
-    elif init is not None and not init.is_hf:
-        load_checkpoint(init.path, d, model, optimizer if init.load_optimizer else None)
-        if init.load_optimizer:
-            apply_recipe_hyperparams(optimizer, recipe)
-    if init is not None:
-        console.line(init.describe())
 
-    peak, peak_label = device_peak(d.device)
-    tokens_per_step = layout.global_batch * seq
-    fpt = flops_per_token(spec, seq)
-    metrics = MetricsLog(run_dir, resume_step=start, enabled=d.is_main)
-    checkpointer = Checkpointer(run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep)
-    started = time.time()
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
 
-    def save(step: int) -> None:
-        extra = {"spike_guard": guard.state_dict(), "rng": rng_state(), "layout": layout.model_dump(),
-                 "world_size": d.world_size, "parallel": recipe.torch.parallel}
-        meta = training_meta(FRAMEWORK, step, spec, recipe, plan.loader.state_dict(), extra)
-        checkpointer.save(step, model, optimizer, meta)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
 
-    def run_eval(step: int) -> None:
-        if not plan.mixture.held_out_sources:
-            return
-        result = evaluate(model, plan.loader, d, recipe)
-        metrics.write({"kind": "eval", "step": step, "eval": result})
-        console.line(f"eval step {step}: " + ", ".join(
-            f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items()
-        ))
 
-    batches = iter(plan.loader)
-    cuda = d.device.type == "cuda"
-    try:
-        for step in range(start + 1, total + 1):
-            # The step time includes waiting for the batch, not checkpointing or evaluation.
-            t0 = time.perf_counter()
-            batch = next(batches)
-            lr = recipe.schedule.lr(step, recipe.optim.lr, total)
-            stats = train_step(model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=lr,
-                               guard=guard, step=step)
-            digest = batch_digest(batch, d)
-            step_time = time.perf_counter() - t0
-            checkpointer.poll()
-            tps = tokens_per_step / step_time
-            if step % recipe.log.every == 0 or step == total:
-                record = {
-                    "kind": "train",
-                    "step": step,
-                    "loss": stats.loss,
-                    "ce_loss": stats.ce_loss,
-                    "z_loss": stats.z_loss,
-                    "lr": lr,
-                    "grad_norm": stats.grad_norm,
-                    "skipped": stats.skipped,
-                    "tokens_seen": step * tokens_per_step,
-                    "tokens_per_second": tps,
-                    "tokens_per_second_per_device": tps / d.world_size,
-                    "tflops_per_device": fpt * tps / d.world_size / 1e12,
-                    "mfu": mfu(spec, seq, tps / d.world_size, peak_flops_per_device=peak),
-                    "mfu_peak": peak_label,
-                    "step_time": step_time,
-                    "time": time.time() - started,
-                    "batch_digest": digest,
-                }
-                if stats.moe is not None:
-                    record.update(stats.moe)
-                if cuda:
-                    record["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
-                metrics.write(record)
-                console.line(
-                    f"step {step}/{total} loss {stats.loss:.4f} lr {lr:.3e} grad_norm {stats.grad_norm:.3f}"
-                    f" {tps:,.0f} tok/s mfu {record['mfu']:.1%}" + (" SKIPPED" if stats.skipped else "")
-                )
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(d.device)
-            console.advance(f"loss {stats.loss:.4f}")
-            if step % recipe.checkpoint.every == 0 or step == total:
-                save(step)
-            if step % recipe.eval.every == 0 or step == total:
-                run_eval(step)
-        checkpointer.wait()
-    finally:
-        console.close()
+class TorchTrainModule:
+    """The torch trainer's model (parallelized), AdamW and DCP checkpoints, as
+    ``olmo_run.TrainModule``."""
 
-    if d.is_main:
-        print_summary(run_dir, f"olmo-train-torch: {run_dir}")
-        png = plot_loss(run_dir)
-        if png is not None:
-            print(f"loss curve: {png}", flush=True)
-    return run_dir
+    framework = FRAMEWORK
+
+    def __init__(self, plan: RunPlan, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None):
+        recipe, spec = plan.recipe, plan.spec
+        self.plan, self.d = plan, d
+        d.barrier()  # rank 0 has written the run dir
+        torch.manual_seed(recipe.train.seed)
+        model = build_model(spec, seed=recipe.train.seed, device=d.device)
+        init = plan.init
+        if init is not None and init.is_hf:
+            load_hf(model, read_safetensors(init.path), source=f"init.checkpoint={recipe.init.checkpoint}")
+        self.model = prepare_model(model, recipe, d, mesh, experts)
+        self.optimizer = make_optimizer(self.model, recipe, d.device)
+        if plan.resume is not None:
+            _, ckpt, meta = plan.resume
+            load_checkpoint(ckpt, d, self.model, self.optimizer)
+            apply_recipe_hyperparams(self.optimizer, recipe)
+            set_rng_state(meta.get("rng", {}))
+        elif init is not None and not init.is_hf:
+            load_checkpoint(init.path, d, self.model, self.optimizer if init.load_optimizer else None)
+            if init.load_optimizer:
+                apply_recipe_hyperparams(self.optimizer, recipe)
+        self.n_devices = d.world_size
+        self.peak = device_peak(d.device)
+        self.cuda = d.device.type == "cuda"
+        self.checkpointer = Checkpointer(plan.run_dir, d, async_save=recipe.checkpoint.async_save,
+                                         keep=recipe.checkpoint.keep)
+
+    def train_step(self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard) -> StepResult:
+        plan, d = self.plan, self.d
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(d.device)
+        stats = train_step(self.model, self.optimizer, batch, layout=plan.layout, d=d, spec=plan.spec,
+                           recipe=plan.recipe, lr=lr, guard=guard, step=step)
+        extra: dict[str, Any] = {"batch_digest": batch_digest(batch, d), **(stats.moe or {})}
+        if self.cuda:
+            extra["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
+        return StepResult(stats.loss, stats.ce_loss, stats.z_loss, stats.grad_norm, stats.skipped, extra)
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        return evaluate(self.model, self.plan.loader, self.d, self.plan.recipe)
+
+    def state_is_finite(self) -> bool:
+        return state_is_finite(self.model, self.optimizer, self.d)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"rng": rng_state(), "world_size": self.d.world_size, "parallel": self.plan.recipe.torch.parallel}
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        self.checkpointer.save(step, self.model, self.optimizer, meta)
+
+    def poll(self) -> None:
+        self.checkpointer.poll()
+
+    def close(self) -> None:
+        self.checkpointer.wait()

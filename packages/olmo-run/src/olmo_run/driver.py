@@ -1,0 +1,293 @@
+"""The run driver: everything a training run does around its steps, written once for both
+trainers (OLMo-core's Trainer / TrainModule split, torchtitan's trainer loop).
+
+A trainer supplies a ``TrainModule``: its state and how to step, evaluate, check and save it.
+The driver owns the rest:
+
+- ``plan_run``: recipe -> spec -> mixture and held-out leakage check -> the trainer's layout
+  check -> batch layout -> loader -> the checkpoint to resume (checked against spec,
+  framework, mixture fingerprint and loader state) or else the ``recipe.init`` source. It
+  writes nothing, so bad input leaves the run dir untouched.
+- ``run``: the run dir, the loop (LR from the recipe's schedule, step timing, the log /
+  checkpoint / eval cadence, the console, the train line of ``runlog.TRAIN_KEYS``), the
+  spike guard's state, the finite-state check before every checkpoint, and the end of the
+  run (final eval, summary table, loss plot), with the loader, console and checkpointer
+  closed in ``finally`` so a save in flight is committed even when the loop raises.
+
+A run whose final checkpoint exists but whose final eval or plot does not (a kill between
+them) is finished by a rerun: state restored, no step trained again, eval and plot written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from olmo_data import Mixture, MixtureLoader, open_training_mixture
+from olmo_model import ModelSpec, flops_per_token, mfu
+from olmo_model.init_source import InitSource, resolve_init
+from olmo_model.recipe import BatchLayout, Recipe, batch_layout
+from olmo_model.runlog import (
+    TRAIN_KEYS,
+    MetricsLog,
+    ProgressConsole,
+    SpikeGuard,
+    final_eval_pending,
+    find_resume,
+    plot_loss,
+    prepare_run_dir,
+    print_summary,
+    refuse_non_finite_state,
+    training_meta,
+)
+
+
+@dataclass
+class RunPlan:
+    """What start-up decided, before anything was written."""
+
+    recipe: Recipe
+    spec: ModelSpec
+    mixture: Mixture
+    layout: BatchLayout
+    loader: MixtureLoader
+    resume: tuple[int, Path, dict[str, Any]] | None  # (step, checkpoint dir, meta)
+    init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.recipe.resolved_run_dir()
+
+    @property
+    def sequence_length(self) -> int:
+        return self.mixture.sequence_length
+
+    @property
+    def total_steps(self) -> int:
+        return self.recipe.total_steps()
+
+    @property
+    def start_step(self) -> int:
+        return self.resume[0] if self.resume else 0
+
+    def finished(self) -> bool:
+        """Whether the run is complete: its final checkpoint, final eval and plot all exist."""
+        total = self.total_steps
+        return self.start_step == total and not final_eval_pending(
+            self.run_dir, total, list(self.mixture.held_out_sources)
+        )
+
+
+def plan_run(
+    recipe: Recipe,
+    framework: str,
+    *,
+    dp_size: int,
+    loader_rank: int = 0,
+    loader_size: int = 1,
+    check_spec: Callable[[ModelSpec], None] | None = None,
+) -> RunPlan:
+    """Check everything checkable without writing; raises RecipeError, SpecError, DataError,
+    LeakageError or TrainingStateError with a one-line message. ``dp_size`` is the number of
+    data-parallel shards of a batch (the layout); ``loader_rank`` / ``loader_size`` the loader
+    slice this process reads; ``check_spec`` the trainer's own checks of its layout."""
+    spec = recipe.model_spec()
+    mixture = open_training_mixture(
+        recipe.data.mixture,
+        sequence_length=recipe.train.sequence_length,
+        model_vocab_size=spec.vocab_size,
+        max_positions=spec.max_position_embeddings,
+        allow_leakage=recipe.data.allow_leakage,
+    )
+    if check_spec is not None:
+        check_spec(spec)
+    global_batch = recipe.global_batch_sequences(mixture.sequence_length)
+    layout = batch_layout(global_batch, dp_size, recipe.train.micro_batch_size)
+    loader = MixtureLoader(
+        mixture, global_batch, dp_rank=loader_rank, dp_size=loader_size, prefetch=recipe.data.prefetch
+    )
+    resume = find_resume(recipe.resolved_run_dir(), recipe, spec, framework, loader, recipe.total_steps())
+    init = resolve_init(recipe, spec, framework) if resume is None else None
+    return RunPlan(recipe, spec, mixture, layout, loader, resume, init)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step as the train line reports it."""
+
+    loss: float
+    ce_loss: float
+    z_loss: float
+    grad_norm: float
+    skipped: bool
+    extra: dict[str, Any] = field(default_factory=dict)  # keys after TRAIN_KEYS (moe_*, ...)
+
+
+class TrainModule(Protocol):
+    """What a trainer supplies to ``run``; built after the run dir exists, holding the state
+    restored from ``plan.resume`` or initialised (fresh or from ``plan.init``)."""
+
+    framework: str
+    n_devices: int  # devices the step runs on (tokens/s per device divides by it)
+    peak: tuple[float, str]  # (peak FLOP/s per device, label) for MFU
+
+    def train_step(self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard) -> StepResult:
+        """One optimizer step (1-based) on this process's rows of global batch step - 1;
+        ``guard.decide`` says whether to skip its update (and raises when the run must stop)."""
+        ...
+
+    def evaluate(self) -> dict[str, dict[str, float]]:
+        """{held-out source: {loss, perplexity, tokens}} over each fixed evaluation set."""
+        ...
+
+    def state_is_finite(self) -> bool:
+        """Whether every parameter and optimizer moment is finite (on every process)."""
+        ...
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        """Checkpoint the state as of ``step``; ``meta`` goes to its meta.json at commit."""
+        ...
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """The trainer's own meta.json entries (layout details, RNG state)."""
+        ...
+
+    def poll(self) -> None:
+        """Called after every step: commit a background save that has finished."""
+        ...
+
+    def close(self) -> None:
+        """Finish (commit) any save in flight and release the trainer's resources."""
+        ...
+
+
+def announce_finished(plan: RunPlan, is_main: bool) -> bool:
+    """True (and says so) when the run has nothing left to do."""
+    if not plan.finished():
+        return False
+    if is_main:
+        total = plan.total_steps
+        print(f"{plan.run_dir}: already complete (checkpoint at step {total} of {total}); nothing to do", flush=True)
+    return True
+
+
+class Run:
+    """One run of a plan with a trainer's module: the loop and what surrounds it."""
+
+    def __init__(self, plan: RunPlan, module: TrainModule, console: ProgressConsole, is_main: bool):
+        self.plan, self.module, self.console, self.is_main = plan, module, console, is_main
+        self.recipe = plan.recipe
+        self.guard = SpikeGuard.from_recipe(self.recipe)
+        self.metrics = MetricsLog(plan.run_dir, resume_step=plan.start_step, enabled=is_main)
+        self.tokens_per_step = plan.layout.global_batch * plan.sequence_length
+        self.flops_per_token = flops_per_token(plan.spec, plan.sequence_length)
+        self.started = time.time()
+        if plan.resume is not None:
+            step, ckpt, meta = plan.resume
+            self.guard.load_state_dict(meta.get("spike_guard", {}))
+            before = meta.get("layout")
+            console.line(
+                f"resumed from {ckpt} at step {step}"
+                + (f" (written with {BatchLayout(**before).describe()}; now {plan.layout.describe()})" if before else "")
+            )
+        elif plan.init is not None:
+            console.line(plan.init.describe())
+
+    def train_record(self, step: int, lr: float, result: StepResult, step_time: float) -> dict[str, Any]:
+        """The train line: exactly ``TRAIN_KEYS``, then the trainer's extras."""
+        n = self.module.n_devices
+        tps = self.tokens_per_step / step_time
+        peak, label = self.module.peak
+        values = (
+            "train", step, result.loss, result.ce_loss, result.z_loss, lr, result.grad_norm, result.skipped,
+            step * self.tokens_per_step, tps, tps / n, self.flops_per_token * tps / n / 1e12,
+            mfu(self.plan.spec, self.plan.sequence_length, tps / n, peak_flops_per_device=peak), label,
+            step_time, time.time() - self.started,
+        )
+        return {**dict(zip(TRAIN_KEYS, values, strict=True)), **result.extra}
+
+    def save(self, step: int) -> None:
+        if not self.module.state_is_finite():
+            refuse_non_finite_state(step, self.plan.run_dir)
+        extra = {"spike_guard": self.guard.state_dict(), "layout": self.plan.layout.model_dump(),
+                 **self.module.checkpoint_extra()}
+        meta = training_meta(self.module.framework, step, self.plan.spec, self.recipe,
+                             self.plan.loader.state_dict(), extra)
+        self.module.save(step, meta)
+
+    def evaluate(self, step: int) -> None:
+        if not self.plan.mixture.held_out_sources:
+            return
+        result = self.module.evaluate()
+        allowed = {"leakage_allowed": True} if self.recipe.data.allow_leakage else {}
+        self.metrics.write({"kind": "eval", "step": step, "eval": result, **allowed})
+        self.console.line(f"eval step {step}: " + ", ".join(
+            f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items()
+        ))
+
+    def log(self, step: int, lr: float, result: StepResult, step_time: float) -> None:
+        record = self.train_record(step, lr, result, step_time)
+        self.metrics.write(record)
+        self.console.line(
+            f"step {step}/{self.plan.total_steps} loss {result.loss:.4f} lr {lr:.3e} grad_norm {result.grad_norm:.3f}"
+            f" {record['tokens_per_second']:,.0f} tok/s mfu {record['mfu']:.1%}" + (" SKIPPED" if result.skipped else "")
+        )
+
+    def loop(self) -> None:
+        r, total, start = self.recipe, self.plan.total_steps, self.plan.start_step
+        batches = iter(self.plan.loader)
+        try:
+            for step in range(start + 1, total + 1):
+                # The step time includes waiting for the batch, not checkpointing or evaluation.
+                t0 = time.perf_counter()
+                batch = next(batches)
+                lr = r.schedule.lr(step, r.optim.lr, total)
+                result = self.module.train_step(batch, step, lr, self.guard)
+                step_time = time.perf_counter() - t0
+                self.module.poll()
+                if step % r.log.every == 0 or step == total:
+                    self.log(step, lr, result, step_time)
+                self.console.advance(f"loss {result.loss:.4f}")
+                if step % r.checkpoint.every == 0 or step == total:
+                    self.save(step)
+                if step % r.eval.every == 0 or step == total:
+                    self.evaluate(step)
+            if start == total:  # the final checkpoint was written but the run ended before its eval
+                self.evaluate(total)
+        finally:
+            batches.close()  # stops the loader's prefetch threads
+            self.console.close()
+            self.module.close()  # a save in flight was checked finite: it is committed
+
+    def finish(self, title: str) -> None:
+        if self.is_main:
+            print_summary(self.plan.run_dir, title)
+            png = plot_loss(self.plan.run_dir)
+            if png is not None:
+                print(f"loss curve: {png}", flush=True)
+
+
+def run(
+    plan: RunPlan,
+    build_module: Callable[[], TrainModule],
+    *,
+    is_main: bool,
+    describe: list[str],
+    title: str,
+) -> Path:
+    """Write the run dir, build the trainer's module, train to the end; returns the run dir.
+    ``describe`` are the trainer's start-up lines (its parallel layout)."""
+    console = ProgressConsole(plan.recipe.log.progress, is_main, plan.total_steps, plan.start_step)
+    for line in describe:
+        console.line(line)
+    console.line(f"batch layout: {plan.layout.describe()} (sequence length {plan.sequence_length})")
+    prepare_run_dir(plan.recipe, plan.spec, is_main)
+    module = build_module()
+    the_run = Run(plan, module, console, is_main)
+    the_run.loop()
+    the_run.finish(title)
+    return plan.run_dir

@@ -1,0 +1,149 @@
+"""Checkpoint integrity of ``olmo-train-torch`` (issue 23), through the real entry point in-process
+(one process, async DCP save).
+
+One 6-step run (checkpoints at 2, 4, 6) is the reference; each test copies it, drops step 6 so
+that step 4 is what a restart resumes, damages the copy and restarts it:
+
+- 8 flipped bytes in the ``.distcp`` file, a missing ``.distcp``, a missing DCP ``.metadata``,
+  an unreadable meta.json: a one-line error naming the file and ``--checkpoint.fallback=true``
+  with the older good step, and the run dir untouched;
+- with ``--checkpoint.fallback=true`` the run resumes from step 2 and completes, its steps 3-6
+  bitwise the reference's, and start-up removed the orphans planted in the run dir;
+- a changed ``train.precision`` is refused in one line naming both values;
+- a checkpoint of format /1 (before checksums) resumes unverified with a warning, and a file
+  missing from it is still a one-line error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from olmo_model.runlog import UNCHECKED_FORMAT, complete_checkpoints, read_metrics, read_verified_meta
+from olmo_train_torch.cli import main
+
+STEPS = 6
+ARGS = [
+    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", f"--train.steps={STEPS}",
+    "--train.precision=fp32", "--checkpoint.every=2", "--eval.every=1000", "--log.progress=false",
+]
+# The fixture (one_torch_thread) lives in the workspace's root conftest.py.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def ckpt(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step_{step:08d}"
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def flip_bytes(path: Path, n: int = 8) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + n):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("torch-integrity") / "reference"
+    assert main([*ARGS, f"--run_dir={run}"]) == 0
+    return run
+
+
+@pytest.fixture
+def restarted(reference, tmp_path) -> Path:
+    """The reference run as a crash right after its step-4 checkpoint would have left it."""
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(ckpt(run, 6))
+    return run
+
+
+def refused(capsys, args: list[str], *needles: str) -> str:
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def test_meta_json_records_every_dcp_file(reference):
+    meta = read_verified_meta(ckpt(reference, 6))
+    assert sorted(meta["files"]) == [".metadata", "__0_0.distcp"]
+    assert meta["files"]["__0_0.distcp"]["bytes"] == (ckpt(reference, 6) / "__0_0.distcp").stat().st_size
+
+
+@pytest.mark.parametrize("damage", ["flipped .distcp bytes", "missing .distcp", "missing .metadata", "unreadable meta.json"])
+def test_a_damaged_checkpoint_is_refused_in_one_line_and_nothing_is_written(restarted, capsys, damage):
+    named = ckpt(restarted, 4) / {"missing .metadata": ".metadata", "unreadable meta.json": "meta.json"}.get(
+        damage, "__0_0.distcp")
+    if damage == "flipped .distcp bytes":
+        flip_bytes(named)
+    elif damage == "unreadable meta.json":
+        named.write_bytes(b"\xff" + named.read_bytes())
+    else:
+        named.unlink()
+    before = snapshot(restarted)
+    refused(capsys, [*ARGS, f"--run_dir={restarted}"], str(named), "damaged",
+            "--checkpoint.fallback=true resumes from step 2")
+    assert snapshot(restarted) == before
+
+
+def test_fallback_resumes_from_the_older_checkpoint_and_completes(reference, restarted, capsys):
+    flip_bytes(ckpt(restarted, 4) / "__0_0.distcp")
+    # Orphans of interrupted saves and writes, removed at start-up.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    orphans = [ckpt(restarted, 1), restarted / f".spec.json.tmp-{gone.pid}", ckpt(restarted, 2) / f".meta.json.tmp-{gone.pid}"]
+    orphans[0].mkdir()
+    (orphans[0] / "__0_0.distcp").write_bytes(b"half a save")
+    for p in orphans[1:]:
+        p.write_text("partial")
+    capsys.readouterr()
+    assert main([*ARGS, f"--run_dir={restarted}", "--checkpoint.fallback=true"]) == 0
+    out = capsys.readouterr()
+    assert any(line.startswith("!!! step_00000004 skipped: ") for line in out.err.splitlines()), out.err
+    assert f"resumed from {ckpt(restarted, 2)} at step 2" in out.out
+    want, got = losses(reference), losses(restarted)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(3, STEPS + 1)] == [want[s] for s in range(3, STEPS + 1)]  # bitwise
+    assert [s for s, _ in complete_checkpoints(restarted)] == [2, 4, 6]
+    for step in (2, 4, 6):
+        read_verified_meta(ckpt(restarted, step))  # the rewritten step 4 verifies
+    assert not any(p.exists() for p in orphans)
+
+
+def test_a_checkpoint_from_before_checksums_still_fails_in_one_line_when_damaged(restarted, capsys):
+    """Format /1 (no "files") is resumed unverified, with a warning; a file missing from it
+    is then the framework's error, still one line."""
+    meta_file = ckpt(restarted, 4) / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["files"]
+    meta_file.write_text(json.dumps({**meta, "format": UNCHECKED_FORMAT}))
+    (ckpt(restarted, 4) / "__0_0.distcp").unlink()
+    capsys.readouterr()
+    assert main([*ARGS, f"--run_dir={restarted}"]) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("!!! ") and "its files are not verified" in warning
+    assert "cannot load it into this model/optimizer" in error and "damaged" in error, error
+
+
+def test_a_changed_precision_is_refused(restarted, capsys):
+    before = snapshot(restarted)
+    refused(capsys, [*ARGS, f"--run_dir={restarted}", "--train.precision=bf16"],
+            "train.precision from 'fp32' (checkpoint) to 'bf16'", "--checkpoint.allow_recipe_change=true")
+    assert snapshot(restarted) == before
