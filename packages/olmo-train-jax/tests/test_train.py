@@ -25,6 +25,7 @@ from olmo_model.runlog import TRAIN_KEYS, complete_checkpoints, read_meta, read_
 from olmo_train_jax.cli import main
 
 STEPS = 20
+KILL_SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "support" / "kill_after_checkpoint.py"
 BASE = [
     "--model=tiny", "--train.global_batch_tokens=1024", f"--train.steps={STEPS}", "--train.precision=fp32",
     "--checkpoint.every=10", "--eval.every=10", "--log.progress=false",
@@ -66,13 +67,12 @@ def write_mixture(root: Path) -> Path:
 
 
 def run_subprocess(args: list[str], devices: int = 1, kill_after: int | None = None) -> subprocess.CompletedProcess:
+    """olmo-train-jax in a subprocess on ``devices`` simulated CPU devices; with ``kill_after`` it
+    SIGKILLs itself right after the step-N checkpoint is committed (the test-only entry point
+    tests/support/kill_after_checkpoint.py)."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    env.pop("OLMO_TEST_KILL_AFTER_CHECKPOINT", None)
-    if kill_after is not None:
-        env["OLMO_TEST_KILL_AFTER_CHECKPOINT"] = str(kill_after)
-    return subprocess.run(
-        [sys.executable, "-m", "olmo_train_jax", *args], env=env, capture_output=True, text=True, timeout=900
-    )
+    entry = ["-m", "olmo_train_jax"] if kill_after is None else [str(KILL_SCRIPT), "jax", str(kill_after)]
+    return subprocess.run([sys.executable, *entry, *args], env=env, capture_output=True, text=True, timeout=900)
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:
@@ -371,7 +371,7 @@ def test_lr_1e6_stops_non_zero_and_keeps_only_finite_checkpoints(mixture, tmp_pa
 
 def test_a_kill_before_the_final_eval_is_finished_by_the_rerun(mixture, one_device_run, tmp_path):
     run_dir = tmp_path / "killed"
-    # A synchronous save commits (and the test hook kills) inside step 20, before its eval.
+    # A synchronous save commits (and the kill follows) inside step 20, before its eval.
     args = [*BASE, "--checkpoint.async_save=false", f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
     killed = run_subprocess(args, kill_after=STEPS)
     assert killed.returncode == -9, killed.stderr[-3000:]

@@ -15,6 +15,7 @@ import pytest
 
 SEQ = 64
 GLOBAL_BATCH = 16  # sequences; divides over 1, 2 and 4 ranks
+KILL_SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "support" / "kill_after_checkpoint.py"
 BASE_ARGS = [
     "--model=tiny",
     f"--train.global_batch_tokens={SEQ * GLOBAL_BATCH}",
@@ -67,15 +68,20 @@ def mixture(tmp_path_factory) -> Path:
     return make_mixture(tmp_path_factory.mktemp("mixture"))
 
 
-def run_trainer(args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 300):
-    """Run olmo-train-torch; nproc > 1 goes through torchrun (gloo, CPU)."""
+def run_trainer(
+    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 300,
+    kill_after: int | None = None,
+):
+    """Run olmo-train-torch; nproc > 1 goes through torchrun (gloo, CPU). With ``kill_after``
+    rank 0 SIGKILLs itself right after the step-N checkpoint is committed (the test-only
+    entry point tests/support/kill_after_checkpoint.py)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    entry = ["-m", "olmo_train_torch"] if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "olmo_train_torch", *args]
+        cmd = [sys.executable, *entry, *args]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--standalone", "-m", "olmo_train_torch", *args,
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *entry, *args,
         ]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

@@ -15,7 +15,7 @@ def test_moe_exact_resume_one_process(harness, mixture, tmp_path):
     reference = tmp_path / "reference"
     harness.check_ok(harness.run(args(reference)))
     run_dir = tmp_path / "killed"
-    killed = harness.run(args(run_dir), env={"OLMO_TEST_KILL_AFTER_CHECKPOINT": "2"})
+    killed = harness.run(args(run_dir), kill_after=2)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [2]
     resumed = harness.run(args(run_dir))

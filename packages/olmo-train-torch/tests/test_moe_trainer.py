@@ -80,7 +80,7 @@ def ep2_runs(harness, mixture, tmp_path_factory):
     args = ("--torch.expert_parallel=2", "--train.steps=4", "--checkpoint.every=2", "--checkpoint.async_save=false")
     reference, killed = root / "reference", root / "killed"
     harness.check_ok(harness.run(_args(harness, mixture, reference, *args), nproc=2))
-    result = harness.run(_args(harness, mixture, killed, *args), nproc=2, env={"OLMO_TEST_KILL_AFTER_CHECKPOINT": "2"})
+    result = harness.run(_args(harness, mixture, killed, *args), nproc=2, kill_after=2)
     assert result.returncode != 0
     assert [s for s, _ in complete_checkpoints(killed)] == [2]
     return args, reference, killed

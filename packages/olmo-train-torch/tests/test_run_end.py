@@ -102,9 +102,9 @@ def test_a_pending_async_save_is_committed_when_the_loop_raises(harness, tmp_pat
 
 def test_a_kill_before_the_final_eval_is_finished_by_the_rerun(harness, mixture, one_process_run, tmp_path):
     run_dir = tmp_path / "killed"
-    # A synchronous save commits (and the test hook kills) inside step 20, before its eval.
+    # A synchronous save commits (and the kill follows) inside step 20, before its eval.
     args = harness.args(mixture, run_dir, "--checkpoint.async_save=false")
-    killed = harness.run(args, env={"OLMO_TEST_KILL_AFTER_CHECKPOINT": "20"})
+    killed = harness.run(args, kill_after=20)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

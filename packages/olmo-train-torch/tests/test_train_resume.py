@@ -1,5 +1,5 @@
 """Exact resume: 20 uninterrupted steps vs 10 steps + SIGKILL right after the step-10
-checkpoint (OLMO_TEST_KILL_AFTER_CHECKPOINT) + restart. Steps 11-20 must be bitwise equal.
+checkpoint (tests/support/kill_after_checkpoint.py) + restart. Steps 11-20 must be bitwise equal.
 Runs the real entry point: one process (async checkpoint save) and two processes under
 torchrun (FSDP2 over gloo, synchronous save)."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from olmo_model.runlog import complete_checkpoints
 
-KILL = {"OLMO_TEST_KILL_AFTER_CHECKPOINT": "10"}
 
 
 def _assert_resumed_bitwise(harness, reference, resumed_dir):
@@ -23,7 +22,7 @@ def _assert_resumed_bitwise(harness, reference, resumed_dir):
 
 def test_exact_resume_one_process(harness, mixture, one_process_run, tmp_path):
     run_dir = tmp_path / "killed"
-    killed = harness.run(harness.args(mixture, run_dir), env=KILL)
+    killed = harness.run(harness.args(mixture, run_dir), kill_after=10)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [10]
     resumed = harness.run(harness.args(mixture, run_dir))
@@ -37,7 +36,7 @@ def test_exact_resume_two_processes(harness, mixture, tmp_path):
     reference = tmp_path / "reference"
     harness.check_ok(harness.run(harness.args(mixture, reference, *args), nproc=2))
     run_dir = tmp_path / "killed"
-    killed = harness.run(harness.args(mixture, run_dir, *args), nproc=2, env=KILL)
+    killed = harness.run(harness.args(mixture, run_dir, *args), nproc=2, kill_after=10)
     assert killed.returncode != 0
     assert [s for s, _ in complete_checkpoints(run_dir)] == [10]
     harness.check_ok(harness.run(harness.args(mixture, run_dir, *args), nproc=2))

@@ -15,9 +15,7 @@ written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,10 +23,6 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from olmo_model.runlog import TrainingStateError, checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
-
-# Test hook: SIGKILL this process right after the step-N checkpoint is committed, to test
-# exact resume after a hard crash (see train.py's docstring).
-KILL_AFTER_CHECKPOINT_ENV = "OLMO_TEST_KILL_AFTER_CHECKPOINT"
 
 STATE_DIR = "state"
 
@@ -44,8 +38,6 @@ class Checkpointer:
         self._orbax = ocp.StandardCheckpointer()
         self._commit: threading.Thread | None = None
         self._error: BaseException | None = None
-        kill = os.environ.get(KILL_AFTER_CHECKPOINT_ENV)
-        self._kill_after = int(kill) if kill else None
         if self.is_main:
             clean_orphans(run_dir)
 
@@ -73,9 +65,6 @@ class Checkpointer:
                 prune_checkpoints(self.run_dir, self.keep, committed=step)
         except BaseException as err:  # re-raised in the training thread by wait()
             self._error = err
-            return
-        if self._kill_after == step:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _raise_pending(self) -> None:
         if self._error is not None:

@@ -36,9 +36,6 @@ checkpoint to resume (checked against spec, framework and mixture fingerprint), 
 ``recipe.init`` source (``olmo_model.init_source``: hf:DIR, a checkpoint, RUN/checkpoints/latest
 or a run dir; weights, plus AdamW state with init.load_optimizer) -> only then is anything
 written to the run dir, so bad input leaves it untouched.
-
-Test hook: the environment variable ``OLMO_TEST_KILL_AFTER_CHECKPOINT=N`` makes the process
-SIGKILL itself right after the step-N checkpoint is committed (used by the exact-resume tests).
 """
 
 from __future__ import annotations

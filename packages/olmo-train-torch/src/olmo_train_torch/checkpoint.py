@@ -17,18 +17,12 @@ With ``checkpoint.async_save`` the state is staged to CPU memory before ``save``
 and written by a background thread (over its own gloo group, so its collectives never
 interleave with training's); rank 0 writes meta.json only when that write has finished,
 hashing the files first (``runlog.commit_checkpoint``).
-
-Test hook: the environment variable ``OLMO_TEST_KILL_AFTER_CHECKPOINT=N`` makes rank 0
-SIGKILL its own process right after the step-N checkpoint is committed (crash-resume tests).
 """
 
 from __future__ import annotations
 
 import base64
-import os
 import shutil
-import signal
-import sys
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -54,8 +48,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from .parallelize import Distributed
-
-KILL_ENV = "OLMO_TEST_KILL_AFTER_CHECKPOINT"
 
 # A single process without a process group is a supported DCP mode, which torch announces
 # on every save and load; the message says nothing new here.
@@ -126,9 +118,6 @@ class Checkpointer:
             return
         commit_checkpoint(ckpt, meta)
         prune_checkpoints(self.run_dir, self.keep, committed=meta["step"])
-        if os.environ.get(KILL_ENV) == str(meta["step"]):
-            print(f"{KILL_ENV}: killing the process after the step-{meta['step']} checkpoint", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def poll(self) -> None:
         """Commit a finished background save without blocking (called once per step), so a
