@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from transformers import Olmo3Config, Olmo3ForCausalLM
+
 from olmo_model import ModelSpec, hf_config, load_spec
 from olmo_model.init_source import resolve_checkpoint, resolve_init
 from olmo_model.recipe import load_recipe
 from olmo_model.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, read_metrics, training_meta
 from olmo_tools.train_state import read_training_state
-from transformers import Olmo3Config, Olmo3ForCausalLM
 
 transformers.logging.set_verbosity_error()  # YaRN factor != max_pos / original context warns; intended
 
@@ -52,8 +53,16 @@ def curriculum(request, tmp_path_factory, run_helpers):
         for stage in (1, 2, 3):
             run_helpers.train(framework, [str(TOY / f"stage{stage}.yaml"), *RUN_ARGS])
         # Stage 2 again for 2 steps, taking stage 1's AdamW state too.
-        run_helpers.train(framework, [str(TOY / "stage2.yaml"), *RUN_ARGS, "--init.load_optimizer=true",
-                                      "--train.steps=2", "--run_dir=runs/stage2-with-optimizer"])
+        run_helpers.train(
+            framework,
+            [
+                str(TOY / "stage2.yaml"),
+                *RUN_ARGS,
+                "--init.load_optimizer=true",
+                "--train.steps=2",
+                "--run_dir=runs/stage2-with-optimizer",
+            ],
+        )
     finally:
         os.chdir(here)
     yield framework, root
@@ -99,7 +108,9 @@ def test_weights_only_restarts_adam_and_load_optimizer_continues_it(curriculum):
     carried = read_training_state(f"{framework}-run:{root / 'runs/stage2-with-optimizer'}")
     assert carried.step == 2 and carried.adam_count == 20 + 2
     # Its first step used stage 1's weights too.
-    assert first_loss(root / "runs/stage2-with-optimizer") == pytest.approx(first_loss(root / "runs/toy-stage2"), abs=1e-6)
+    assert first_loss(root / "runs/stage2-with-optimizer") == pytest.approx(
+        first_loss(root / "runs/toy-stage2"), abs=1e-6
+    )
 
 
 def framework_logits(framework: str, spec, params: dict[str, np.ndarray], batch) -> torch.Tensor:
@@ -111,6 +122,7 @@ def framework_logits(framework: str, spec, params: dict[str, np.ndarray], batch)
         with torch.no_grad():
             return model_from_hf(spec, params).eval()(torch.from_numpy(ids)).double()
     import jax.numpy as jnp
+
     from olmo_train_jax import model_from_hf
 
     return torch.from_numpy(np.asarray(model_from_hf(spec, params)(jnp.asarray(ids, jnp.int32)), np.float64))
@@ -131,7 +143,8 @@ def test_stage3_trains_longer_sequences_with_yarn(curriculum, run_helpers):
     batch = run_helpers.sample_batch(128, 8)
     with_yarn = reference_logits(reference_model(run_spec, stage2.params), batch)
     assert first_loss(root / "runs/toy-stage3") == pytest.approx(
-        run_helpers.loss_from_logits(with_yarn, batch, run_spec.z_loss_weight), abs=1e-4)
+        run_helpers.loss_from_logits(with_yarn, batch, run_spec.z_loss_weight), abs=1e-4
+    )
     # The trained stage-3 model in the trainer's framework: transformers' YaRN logits, which
     # differ from plain RoPE's beyond the original 64 tokens far more than the frameworks differ.
     # (This barely trained model attends weakly, so the loss alone cannot tell the two apart.)
@@ -146,6 +159,7 @@ def test_stage3_trains_longer_sequences_with_yarn(curriculum, run_helpers):
 
 
 # ---- olmo_model.init_source: resolving init.checkpoint -------------------------------------------
+
 
 def fake_checkpoint(run: Path, step: int, framework: str, spec_name: str = "tiny") -> Path:
     recipe = load_recipe(None, [f"--model={spec_name}", f"--run_dir={run}"])
@@ -177,7 +191,10 @@ def test_init_refuses_what_does_not_fit(tmp_path):
     def recipe(*extra: str):
         return load_recipe(None, ["--model=tiny", *extra])
 
-    with pytest.raises(TrainingStateError, match=r"a torch checkpoint, and the jax trainer reads its own; convert it with `olmo-convert torch-run:"):
+    with pytest.raises(
+        TrainingStateError,
+        match=r"a torch checkpoint, and the jax trainer reads its own; convert it with `olmo-convert torch-run:",
+    ):
         resolve_init(recipe(f"--init.checkpoint={ckpt}"), spec, "jax")
     with pytest.raises(TrainingStateError, match=r"differs from the recipe's in 'n_kv_heads'"):
         resolve_init(recipe(f"--init.checkpoint={ckpt}"), load_spec("tiny-gqa"), "torch")

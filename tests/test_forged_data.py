@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from olmo_data.shards import ShardWriter, read_manifest
 from olmo_model.runlog import complete_checkpoints
 
@@ -74,8 +75,14 @@ def test_a_forged_manifest_is_refused_before_the_step_that_reads_it(framework, f
     main = importlib.import_module(f"olmo_train_{framework}.cli").main
     run_dir = tmp_path / "run"
     args = [
-        "--model=tiny", "--train.global_batch_tokens=1024", "--train.steps=4", "--train.precision=fp32",
-        "--log.progress=false", "--torch.parallel=none", f"--data.mixture={forged_mixture}", f"--run_dir={run_dir}",
+        "--model=tiny",
+        "--train.global_batch_tokens=1024",
+        "--train.steps=4",
+        "--train.precision=fp32",
+        "--log.progress=false",
+        "--torch.parallel=none",
+        f"--data.mixture={forged_mixture}",
+        f"--run_dir={run_dir}",
     ]
     capsys.readouterr()
     assert main(args) == 2

@@ -18,9 +18,10 @@ import time
 
 import numpy as np
 import torch
-from olmo_model import hf_config, load_spec
 from rich.console import Console
 from rich.table import Table
+
+from olmo_model import hf_config, load_spec
 
 
 def main() -> None:
@@ -36,11 +37,11 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from flax import nnx
-    from olmo_train_jax import model_from_hf as jax_model_from_hf
-    from olmo_train_torch import build_model, to_hf
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     from olmo_tools.native import torch_to_numpy
+    from olmo_train_jax import model_from_hf as jax_model_from_hf
+    from olmo_train_torch import build_model, to_hf
 
     spec = load_spec(args.spec)
     dtype = getattr(torch, args.dtype)

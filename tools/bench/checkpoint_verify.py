@@ -36,11 +36,12 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+
 from olmo_model import hf_param_shapes, load_spec
 from olmo_model.recipe import load_recipe
 from olmo_model.runlog import commit_checkpoint, read_verified_meta, training_meta, write_atomic
-from rich.console import Console
-from rich.table import Table
 
 RESULTS = Path(__file__).parent / "results"
 # DCP announces on every call that it runs without a process group, which is the point here.
@@ -66,8 +67,15 @@ class TorchDCP:
 
         self.state = {
             "model": {k: torch.from_numpy(v) for k, v in state["params"].items()},
-            "optim": {"state": {k: {"exp_avg": torch.from_numpy(state["exp_avg"][k]),
-                                    "exp_avg_sq": torch.from_numpy(state["exp_avg_sq"][k])} for k in state["params"]}},
+            "optim": {
+                "state": {
+                    k: {
+                        "exp_avg": torch.from_numpy(state["exp_avg"][k]),
+                        "exp_avg_sq": torch.from_numpy(state["exp_avg_sq"][k]),
+                    }
+                    for k in state["params"]
+                }
+            },
         }
 
     def save(self, ckpt: Path) -> None:
@@ -81,8 +89,11 @@ class TorchDCP:
 
         target = {
             "model": {k: torch.empty_like(v) for k, v in self.state["model"].items()},
-            "optim": {"state": {k: {m: torch.empty_like(t) for m, t in s.items()}
-                                for k, s in self.state["optim"]["state"].items()}},
+            "optim": {
+                "state": {
+                    k: {m: torch.empty_like(t) for m, t in s.items()} for k, s in self.state["optim"]["state"].items()
+                }
+            },
         }
         dcp.load(target, checkpoint_id=str(ckpt), no_dist=True)
 
@@ -99,11 +110,14 @@ class JaxOrbax:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         self.params = state["params"]
         self.opt_state = {"mu": state["exp_avg"], "nu": state["exp_avg_sq"]}
-        self.abstract = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), t)
-                         for t in (self.params, self.opt_state)]
+        self.abstract = [
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), t)
+            for t in (self.params, self.opt_state)
+        ]
 
     def save(self, ckpt: Path) -> None:
         import orbax.checkpoint as ocp
+
         from olmo_train_jax.checkpoint import STATE_DIR
 
         with ocp.StandardCheckpointer() as orbax:
@@ -112,6 +126,7 @@ class JaxOrbax:
 
     def restore(self, ckpt: Path) -> None:
         import jax
+
         from olmo_train_jax.checkpoint import restore_state
 
         params, opt_state, _ = restore_state(ckpt, *self.abstract)
@@ -128,7 +143,9 @@ def timed(fn) -> float:
 def bench(fmt, root: Path, meta: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds per repeat of: save plain / with checksums (and its commit alone), restore plain /
     verified (and the verification alone). Odd repeats run the two variants in reverse order."""
-    out: dict[str, list[float]] = {k: [] for k in ("save", "save+sums", "commit", "restore", "verify+restore", "verify")}
+    out: dict[str, list[float]] = {
+        k: [] for k in ("save", "save+sums", "commit", "restore", "verify+restore", "verify")
+    }
     for r in range(repeats):
         plain, summed = root / f"plain-{r}", root / f"summed-{r}"
         for ckpt in (plain, summed):
@@ -185,19 +202,39 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    title = (f"checkpoint save/restore with and without checksums: {spec.name}, params + AdamW moments fp32 "
-             f"({n_bytes / 2**30:.2f} GiB), fastest of {args.repeats}")
-    headers = ("format", "on disk GiB", "save s", "save + checksums s", "ratio", "restore s",
-               "verify + restore s", "ratio", "hashing s (commit / verify)", "sha256 GiB/s")
+    title = (
+        f"checkpoint save/restore with and without checksums: {spec.name}, params + AdamW moments fp32 "
+        f"({n_bytes / 2**30:.2f} GiB), fastest of {args.repeats}"
+    )
+    headers = (
+        "format",
+        "on disk GiB",
+        "save s",
+        "save + checksums s",
+        "ratio",
+        "restore s",
+        "verify + restore s",
+        "ratio",
+        "hashing s (commit / verify)",
+        "sha256 GiB/s",
+    )
     rows = []
     for name, (t, on_disk) in results.items():
         best = {k: min(v) for k, v in t.items()}
-        rows.append((
-            name, f"{on_disk / 2**30:.2f}", f"{best['save']:.2f}", f"{best['save+sums']:.2f}",
-            f"{best['save+sums'] / best['save']:.2f}x", f"{best['restore']:.2f}", f"{best['verify+restore']:.2f}",
-            f"{best['verify+restore'] / best['restore']:.2f}x",
-            f"{best['commit']:.2f} / {best['verify']:.2f}", f"{on_disk / 2**30 / best['verify']:.2f}",
-        ))
+        rows.append(
+            (
+                name,
+                f"{on_disk / 2**30:.2f}",
+                f"{best['save']:.2f}",
+                f"{best['save+sums']:.2f}",
+                f"{best['save+sums'] / best['save']:.2f}x",
+                f"{best['restore']:.2f}",
+                f"{best['verify+restore']:.2f}",
+                f"{best['verify+restore'] / best['restore']:.2f}x",
+                f"{best['commit']:.2f} / {best['verify']:.2f}",
+                f"{on_disk / 2**30 / best['verify']:.2f}",
+            )
+        )
     table = Table(title=title)
     for h in headers:
         table.add_column(h, justify="left" if h == "format" else "right")
@@ -211,26 +248,44 @@ def main() -> None:
     today = datetime.date.today().isoformat()
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"checkpoint_verify-{today}.md"
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
-    out.write_text("\n".join([
-        f"# {title}",
-        "",
-        f"`uv run --frozen python tools/bench/checkpoint_verify.py --spec {args.spec} --repeats {args.repeats}`, {today}",
-        "",
-        f"Machine: {cpu}, {os.cpu_count()} CPU cores (shared with other work), "
-        f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}; checkpoints on "
-        f"the local disk, page cache warm (see the script's docstring).",
-        "",
-        "| " + " | ".join(headers) + " |",
-        "|" + "|".join("---" for _ in headers) + "|",
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
-        "Seconds per repeat (commit: hashing + writing meta.json; verify: read_verified_meta):",
-        "",
-        *(f"- {name} {k}: {', '.join(f'{x:.3f}' for x in v)}" for name, (t, _) in results.items() for k, v in t.items()),
-        "",
-    ]))
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.machine(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.machine()
+    )
+    out.write_text(
+        "\n".join(
+            [
+                f"# {title}",
+                "",
+                f"`uv run --frozen python tools/bench/checkpoint_verify.py --spec {args.spec} --repeats {args.repeats}`, {today}",
+                "",
+                f"Machine: {cpu}, {os.cpu_count()} CPU cores (shared with other work), "
+                f"python {platform.python_version()}, torch {torch.__version__}, jax {jax.__version__}; checkpoints on "
+                f"the local disk, page cache warm (see the script's docstring).",
+                "",
+                "| " + " | ".join(headers) + " |",
+                "|" + "|".join("---" for _ in headers) + "|",
+                *("| " + " | ".join(row) + " |" for row in rows),
+                "",
+                "Seconds per repeat (commit: hashing + writing meta.json; verify: read_verified_meta):",
+                "",
+                *(
+                    f"- {name} {k}: {', '.join(f'{x:.3f}' for x in v)}"
+                    for name, (t, _) in results.items()
+                    for k, v in t.items()
+                ),
+                "",
+            ]
+        )
+    )
     print(f"results: {out}")
 
 

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from rich.console import Console
+from rich.table import Table
+
 from olmo_data import DataError, load_mixture
 from olmo_data.sample import sample_mixture_path
 from olmo_model.presets import SpecError
@@ -48,8 +51,6 @@ from olmo_model.recipe import RecipeError, load_recipe
 from olmo_tools.convert import main as convert_main
 from olmo_tools.formats import DTYPES, CheckpointError
 from olmo_tools.parity import Side, compare, load_side
-from rich.console import Console
-from rich.table import Table
 
 GOAL_KL_MEAN = 1e-3
 GOAL_TOP1 = 0.99
@@ -201,7 +202,9 @@ def main() -> int:
     parser.add_argument("--workdir", default="runs/parity-8k", help="everything is written here")
     parser.add_argument("--recipe", default=str(Path(__file__).resolve().parents[2] / "recipes/toy/parity-8k.yaml"))
     parser.add_argument("--seq-len", type=int, default=8192, help="tokens of context compared (batch 1)")
-    parser.add_argument("--skip-train", action="store_true", help="measure the run's latest complete checkpoint as it is")
+    parser.add_argument(
+        "--skip-train", action="store_true", help="measure the run's latest complete checkpoint as it is"
+    )
     args, overrides = parser.parse_known_args()
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
@@ -338,12 +341,25 @@ def main() -> int:
         q.add_column(col, justify="right")
     for band, m in model_quality.items():
         q.add_row(
-            band, f"{m['loss']:.3f}", f"{m['perplexity']:.2f}", f"{m['next_token_accuracy']:.2%}", f"{m['mean_max_prob']:.3f}"
+            band,
+            f"{m['loss']:.3f}",
+            f"{m['perplexity']:.2f}",
+            f"{m['next_token_accuracy']:.2%}",
+            f"{m['mean_max_prob']:.3f}",
         )
     console.print(q)
     target = f"goal: KL mean <= {GOAL_KL_MEAN:g}, top-1 >= {GOAL_TOP1:.0%}"
     table = Table(title=f"logit parity, 1 x {args.seq_len} held-out tokens ({target})")
-    for col in ("A", "B", "kl_mean", "kl_max", "top1_agreement", "max_abs_logit_diff", "top-1 misses (at ties)", "goal"):
+    for col in (
+        "A",
+        "B",
+        "kl_mean",
+        "kl_max",
+        "top1_agreement",
+        "max_abs_logit_diff",
+        "top-1 misses (at ties)",
+        "goal",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
         goal = "" if r["goal_met"] is None else ("met" if r["goal_met"] else "MISSED")

@@ -10,7 +10,7 @@ from olmo_tools.compare_runs import load_curve, main, smooth
 
 def _run_dir(path, losses, offset=0.0):
     path.mkdir()
-    lines = [json.dumps({"kind": "train", "step": i + 1, "loss": l + offset}) for i, l in enumerate(losses)]
+    lines = [json.dumps({"kind": "train", "step": i + 1, "loss": loss + offset}) for i, loss in enumerate(losses)]
     lines.insert(3, json.dumps({"kind": "eval", "step": 3, "eval": {"code": {"loss": 9.0, "perplexity": 8103.0}}}))
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return path
@@ -23,8 +23,22 @@ def test_run_dirs_and_csv(tmp_path, capsys):
     csv = tmp_path / "wandb.csv"
     # a W&B export: its own step column name, the metric under another name, a missing value
     csv.write_text("Step,train/CE loss\n1,5.5\n2,\n3,3.0\n6,2.4\n")
-    rc = main([str(a), str(b), str(csv), "--column", "loss", "--column", "loss", "--column", "train/CE loss",
-               "--json", "--png", str(tmp_path / "c.png")])
+    rc = main(
+        [
+            str(a),
+            str(b),
+            str(csv),
+            "--column",
+            "loss",
+            "--column",
+            "loss",
+            "--column",
+            "train/CE loss",
+            "--json",
+            "--png",
+            str(tmp_path / "c.png"),
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert out["shared_steps"] == 3  # steps 1, 3, 6 are in all three
@@ -39,7 +53,9 @@ def test_run_dirs_and_csv(tmp_path, capsys):
 
 def test_resumed_run_keeps_the_last_value_of_a_step(tmp_path):
     p = tmp_path / "m.jsonl"
-    p.write_text("\n".join(json.dumps({"step": s, "loss": l}) for s, l in [(1, 3.0), (2, 2.0), (2, 2.5), (3, 1.0)]))
+    p.write_text(
+        "\n".join(json.dumps({"step": s, "loss": loss}) for s, loss in [(1, 3.0), (2, 2.0), (2, 2.5), (3, 1.0)])
+    )
     steps, values = load_curve(str(p))
     assert steps.tolist() == [1, 2, 3] and values.tolist() == [3.0, 2.5, 1.0]
 

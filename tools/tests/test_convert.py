@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+
 from olmo_model import get_preset, hf_config, hf_param_shapes
 from olmo_tools.convert import convert, main
 from olmo_tools.formats import CheckpointError, HFCheckpoint
 from olmo_tools.parity import load_side
 from olmo_train_torch import build_model, model_from_hf, to_hf
-from safetensors.torch import load_file, save_file
 
 SEQ = 80  # > window 32 of the tiny presets: sliding and global layers both matter
 # DCP notes on every call that it runs without a process group, which is intended here.
@@ -79,7 +80,9 @@ def write_torch_dir(path: Path, model) -> None:
 def write_hf_dir(path: Path, spec, tensors: dict[str, torch.Tensor]) -> None:
     """An HF folder written with safetensors' own writer (not olmo_tools')."""
     path.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
     (path / "config.json").write_text(json.dumps(hf_config(spec)))
 
 
@@ -215,10 +218,22 @@ def _vocab(rows):
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (_set("model.layers.1.mlp.up_proj.weight", (100, 64)), r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' has shape \(100, 64\)"),
-        (_drop("model.layers.2.self_attn.k_norm.weight"), r"missing tensor 'model\.layers\.2\.self_attn\.k_norm\.weight'"),
-        (_set("model.layers.4.mlp.up_proj.weight", (192, 64)), r"unexpected tensor 'model\.layers\.4\.mlp\.up_proj\.weight'"),
-        (_vocab(5000), r"vocab mismatch in 'model\.embed_tokens\.weight': checkpoint has 5000 rows, spec padded_vocab_size is 4096"),
+        (
+            _set("model.layers.1.mlp.up_proj.weight", (100, 64)),
+            r"tensor 'model\.layers\.1\.mlp\.up_proj\.weight' has shape \(100, 64\)",
+        ),
+        (
+            _drop("model.layers.2.self_attn.k_norm.weight"),
+            r"missing tensor 'model\.layers\.2\.self_attn\.k_norm\.weight'",
+        ),
+        (
+            _set("model.layers.4.mlp.up_proj.weight", (192, 64)),
+            r"unexpected tensor 'model\.layers\.4\.mlp\.up_proj\.weight'",
+        ),
+        (
+            _vocab(5000),
+            r"vocab mismatch in 'model\.embed_tokens\.weight': checkpoint has 5000 rows, spec padded_vocab_size is 4096",
+        ),
     ],
     ids=["wrong-shape", "missing", "unexpected", "vocab"],
 )
@@ -287,6 +302,8 @@ def test_jax_dir_whose_spec_json_does_not_fit_its_weights(hf_dir, tmp_path):
     spec_file = tmp_path / "jax" / "spec.json"
     spec = json.loads(spec_file.read_text())
     spec_file.write_text(json.dumps({**spec, "mlp_hidden": 128}))
-    with pytest.raises(CheckpointError, match=r"parameter 'layers\.down_proj' has shape \(4, 192, 64\), spec .* expects \(4, 128, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"parameter 'layers\.down_proj' has shape \(4, 192, 64\), spec .* expects \(4, 128, 64\)"
+    ):
         convert(f"jax:{tmp_path / 'jax'}", f"hf:{tmp_path / 'out'}")
     assert not (tmp_path / "out").exists()

@@ -13,13 +13,21 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from olmo_tools.convert import main as convert_main
 
 # A tiny torch run with one checkpoint, at step 2.
 RECIPE = [
-    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", "--train.steps=2",
-    "--train.precision=fp32", "--checkpoint.every=2", "--eval.every=1000", "--log.progress=false",
-    "--checkpoint.async_save=false", "--torch.parallel=none",
+    "--model=tiny",
+    "--train.sequence_length=64",
+    "--train.global_batch_tokens=512",
+    "--train.steps=2",
+    "--train.precision=fp32",
+    "--checkpoint.every=2",
+    "--eval.every=1000",
+    "--log.progress=false",
+    "--checkpoint.async_save=false",
+    "--torch.parallel=none",
 ]
 # The fixtures (one_torch_thread, run_helpers) live in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,8 +56,10 @@ def test_a_flipped_byte_source_is_refused_before_anything_is_written(checkpoint,
     data = bytearray(distcp.read_bytes())
     data[len(data) // 2] ^= 0x80  # one sign bit
     distcp.write_bytes(bytes(data))
-    for argv in ([f"torch-run:{damaged}", f"jax-run:{tmp_path / 'as-jax'}"],
-                 [f"torch:{damaged}", f"hf:{tmp_path / 'as-hf'}"]):
+    for argv in (
+        [f"torch-run:{damaged}", f"jax-run:{tmp_path / 'as-jax'}"],
+        [f"torch:{damaged}", f"hf:{tmp_path / 'as-hf'}"],
+    ):
         fails(capsys, argv, str(distcp), "sha256", "damaged", "convert an intact checkpoint")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from olmo_model import load_spec, spec_from_dict
 from olmo_tools.convert import convert, main
 from olmo_tools.formats import open_checkpoint, parse_location

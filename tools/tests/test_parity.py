@@ -8,11 +8,12 @@ import math
 
 import numpy as np
 import pytest
+from safetensors.torch import save_file
+
 from olmo_model import get_preset, hf_config
 from olmo_tools.formats import CheckpointError
 from olmo_tools.parity import Side, compare, main, read_tokens
 from olmo_train_torch import build_model, to_hf
-from safetensors.torch import save_file
 
 KEYS = {"kl_mean", "kl_max", "top1_agreement", "max_abs_logit_diff", "n_positions", "passed", "a", "b"}
 
@@ -106,6 +107,7 @@ def test_per_side_dtype(folders, capsys):
     # --dtype-b alone: A keeps --dtype; equal dtypes give identical logits.
     code, report = _run(capsys, f"hf-ref:{a}", f"hf-ref:{a}", "--dtype-b", "float32", "--seq-len", "40", "--batch", "1")
     assert (report["dtype_a"], report["dtype_b"]) == ("float32", "float32") and report["kl_max"] == 0.0
+
 
 def _side(logits: np.ndarray) -> Side:
     spec = get_preset("tiny").replace(vocab_size=logits.shape[-1], padded_vocab_size=logits.shape[-1])

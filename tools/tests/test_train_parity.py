@@ -18,14 +18,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from olmo_model import fp32_mean_tolerance, load_spec
 from olmo_tools.parity import main
 from olmo_tools.train_parity import check_thresholds
 
 STEPS = 50
 RECIPE = [
-    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", "--eval.every=25",
-    "--optim.lr=1e-3", "--schedule.kind=cosine", "--schedule.warmup_steps=10", "--schedule.alpha=0.1", "--checkpoint.async_save=false",
+    "--model=tiny",
+    "--train.sequence_length=64",
+    "--train.global_batch_tokens=512",
+    "--eval.every=25",
+    "--optim.lr=1e-3",
+    "--schedule.kind=cosine",
+    "--schedule.warmup_steps=10",
+    "--schedule.alpha=0.1",
+    "--checkpoint.async_save=false",
 ]
 # The fixtures (one_torch_thread, run_helpers) live in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

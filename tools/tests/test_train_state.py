@@ -12,21 +12,30 @@ import hashlib
 from pathlib import Path
 
 import numpy as np
-import torch.distributed.checkpoint as dcp
 import orbax.checkpoint as ocp
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
+from torch.distributed.checkpoint import FileSystemReader
+
 from olmo_model.runlog import complete_checkpoints, read_meta, read_metrics
 from olmo_tools.convert import main as convert_main
-from torch.distributed.checkpoint import FileSystemReader
 
 STEPS = 20
 SWITCH = 10
 RECIPE = [
-    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", f"--train.steps={STEPS}",
-    "--train.precision=fp32", f"--checkpoint.every={SWITCH}", f"--eval.every={STEPS}", "--log.progress=false",
-    "--checkpoint.async_save=false", "--torch.parallel=none", "--schedule.warmup_steps=5",
+    "--model=tiny",
+    "--train.sequence_length=64",
+    "--train.global_batch_tokens=512",
+    f"--train.steps={STEPS}",
+    "--train.precision=fp32",
+    f"--checkpoint.every={SWITCH}",
+    f"--eval.every={STEPS}",
+    "--log.progress=false",
+    "--checkpoint.async_save=false",
+    "--torch.parallel=none",
+    "--schedule.warmup_steps=5",
 ]
 # The fixtures (one_torch_thread, run_helpers) live in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -46,8 +55,11 @@ def held_out(run_dir: Path) -> dict[str, float]:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,25 +101,43 @@ def test_converted_checkpoint_carries_the_training_state(runs):
 
     # Every tensor, by a name table written out here (JAX: layers stacked, kernels (in, out);
     # torch: one module per layer, Linear weights (out, in)).
-    layer = {"attn.q_proj": ("q_proj", True), "attn.k_proj": ("k_proj", True), "attn.v_proj": ("v_proj", True),
-             "attn.o_proj": ("o_proj", True), "attn.q_norm": ("q_norm", False), "attn.k_norm": ("k_norm", False),
-             "attn_norm": ("post_attention_norm", False), "mlp.gate_proj": ("gate_proj", True),
-             "mlp.up_proj": ("up_proj", True), "mlp.down_proj": ("down_proj", True),
-             "mlp_norm": ("post_feedforward_norm", False)}
+    layer = {
+        "attn.q_proj": ("q_proj", True),
+        "attn.k_proj": ("k_proj", True),
+        "attn.v_proj": ("v_proj", True),
+        "attn.o_proj": ("o_proj", True),
+        "attn.q_norm": ("q_norm", False),
+        "attn.k_norm": ("k_norm", False),
+        "attn_norm": ("post_attention_norm", False),
+        "mlp.gate_proj": ("gate_proj", True),
+        "mlp.up_proj": ("up_proj", True),
+        "mlp.down_proj": ("down_proj", True),
+        "mlp_norm": ("post_feedforward_norm", False),
+    }
     pairs = {"embed": (("embed",), False), "norm": (("final_norm",), False), "lm_head": (("lm_head",), True)}
     for i in range(4):
         pairs.update({f"blocks.{i}.{k}": (("layers", name, i), t) for k, (name, t) in layer.items()})
     jax_state = ocp.StandardCheckpointer().restore((dst / "state").absolute())
     adam = jax_state["opt_state"][0]
     meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    torch_keys = {f"{kind}{local}.weight{suffix}"
-                  for local in pairs for kind, suffix in (("model.", ""), ("optim.state.", ".exp_avg"),
-                                                          ("optim.state.", ".exp_avg_sq"), ("optim.state.", ".step"))}
+    torch_keys = {
+        f"{kind}{local}.weight{suffix}"
+        for local in pairs
+        for kind, suffix in (
+            ("model.", ""),
+            ("optim.state.", ".exp_avg"),
+            ("optim.state.", ".exp_avg_sq"),
+            ("optim.state.", ".step"),
+        )
+    }
     torch_state = {k: torch.empty(tuple(meta[k].size)) for k in torch_keys}
     dcp.load(torch_state, checkpoint_id=str(src), no_dist=True)
     for local, (path, transposed) in pairs.items():
-        for tree, key in ((jax_state["params"], f"model.{local}.weight"), (adam["mu"], f"optim.state.{local}.weight.exp_avg"),
-                          (adam["nu"], f"optim.state.{local}.weight.exp_avg_sq")):
+        for tree, key in (
+            (jax_state["params"], f"model.{local}.weight"),
+            (adam["mu"], f"optim.state.{local}.weight.exp_avg"),
+            (adam["nu"], f"optim.state.{local}.weight.exp_avg_sq"),
+        ):
             value = np.asarray(tree[path[0]] if len(path) == 1 else tree[path[0]][path[1]][path[2]])
             np.testing.assert_array_equal(value.T if transposed else value, torch_state[key].numpy(), err_msg=key)
         assert int(torch_state[f"optim.state.{local}.weight.step"]) == SWITCH
@@ -165,8 +195,9 @@ def test_converting_into_a_fitting_run_adds_a_resumable_checkpoint(runs, tmp_pat
     """Into an existing jax run of the same recipe that is behind: the checkpoint is added."""
     run = tmp_path / "behind"
     run.mkdir()
-    (run / "recipe.yaml").write_text((runs["torch->jax"] / "recipe.yaml").read_text().replace(
-        str(runs["torch->jax"]), str(run)))
+    (run / "recipe.yaml").write_text(
+        (runs["torch->jax"] / "recipe.yaml").read_text().replace(str(runs["torch->jax"]), str(run))
+    )
     assert convert_main([f"torch-run:{ckpt(runs['torch'], SWITCH)}", f"jax-run:{run}"]) == 0
     assert [s for s, _ in complete_checkpoints(run)] == [SWITCH]
     assert [p.name for p in (run / "checkpoints").iterdir()] == [f"step_{SWITCH:08d}"]  # no staging left
@@ -183,9 +214,12 @@ def test_a_trainer_checkpoint_converts_to_hf_with_the_spec_from_its_meta(runs, t
     for f in (tmp_path / "hf").glob("*.safetensors"):
         hf.update(load_file(f))
     meta = FileSystemReader(str(src)).read_metadata().state_dict_metadata
-    pairs = {"model.embed_tokens.weight": "model.embed.weight", "lm_head.weight": "model.lm_head.weight",
-             "model.layers.3.self_attn.q_proj.weight": "model.blocks.3.attn.q_proj.weight",
-             "model.layers.0.post_feedforward_layernorm.weight": "model.blocks.0.mlp_norm.weight"}
+    pairs = {
+        "model.embed_tokens.weight": "model.embed.weight",
+        "lm_head.weight": "model.lm_head.weight",
+        "model.layers.3.self_attn.q_proj.weight": "model.blocks.3.attn.q_proj.weight",
+        "model.layers.0.post_feedforward_layernorm.weight": "model.blocks.0.mlp_norm.weight",
+    }
     state = {k: torch.empty(tuple(meta[k].size)) for k in pairs.values()}
     dcp.load(state, checkpoint_id=str(src), no_dist=True)
     for hf_name, key in pairs.items():

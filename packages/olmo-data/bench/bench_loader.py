@@ -73,9 +73,14 @@ def write_data(root: Path, tokens: int, chunk_sizes: list[int]) -> None:
     for label, fmt, suffix in layouts:
         extra = {"dtype": "uint16"} if fmt == "numpy" else {}
         config = {
-            "name": f"bench-{label}", "sequence_length": SEQ, "seed": 0, "eos_token_id": EOS, "vocab_size": 4096,
-            "sources": [{"name": n, "paths": [f"{n}{suffix}"], "format": fmt, "ratio": 0.5, **extra}
-                        for n in ("code", "prose")],
+            "name": f"bench-{label}",
+            "sequence_length": SEQ,
+            "seed": 0,
+            "eos_token_id": EOS,
+            "vocab_size": 4096,
+            "sources": [
+                {"name": n, "paths": [f"{n}{suffix}"], "format": fmt, "ratio": 0.5, **extra} for n in ("code", "prose")
+            ],
             "held_out": [{"name": "held", "paths": ["held.shard"], "format": "shards"}],
             "eval": {"sequences_per_source": 4},
         }
@@ -115,10 +120,37 @@ def olmo_core_peer(root: Path, batches: int, threads: int) -> dict | str:
     uv = shutil.which("uv")
     if uv is None:
         return "not measured: `uv` is not on PATH (it builds the isolated OLMo-core env)"
-    cmd = [uv, "run", "--isolated", "--no-project", "--python", "3.11", "--with", "ai2-olmo-core",
-           "python", str(OLMO_CORE_PEER), "--paths", str(root / "code.npy"), str(root / "prose.npy"),
-           "--dtype", "uint16", "--sequence-length", str(SEQ), "--batch", str(BATCH), "--batches", str(batches),
-           "--threads", str(threads), "--vocab-size", "4096", "--eos", str(EOS), "--work-dir", str(root / "olmo-core")]
+    cmd = [
+        uv,
+        "run",
+        "--isolated",
+        "--no-project",
+        "--python",
+        "3.11",
+        "--with",
+        "ai2-olmo-core",
+        "python",
+        str(OLMO_CORE_PEER),
+        "--paths",
+        str(root / "code.npy"),
+        str(root / "prose.npy"),
+        "--dtype",
+        "uint16",
+        "--sequence-length",
+        str(SEQ),
+        "--batch",
+        str(BATCH),
+        "--batches",
+        str(batches),
+        "--threads",
+        str(threads),
+        "--vocab-size",
+        "4096",
+        "--eos",
+        str(EOS),
+        "--work-dir",
+        str(root / "olmo-core"),
+    ]
     # Our own venv must not leak into the peer's interpreter.
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     try:
@@ -143,8 +175,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1 << 25, help="training tokens written (two sources)")
     parser.add_argument("--batches", type=int, default=40, help="timed global batches per row")
     parser.add_argument("--threads", type=int, default=2, help="reader threads of every contender")
-    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[1 << 20, 1 << 16],
-                        help="zstd shard chunk sizes to compare (tokens per chunk)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        nargs="+",
+        default=[1 << 20, 1 << 16],
+        help="zstd shard chunk sizes to compare (tokens per chunk)",
+    )
     args = parser.parse_args()
     console = Console(width=120)
     rows = []
@@ -152,8 +189,10 @@ def main() -> None:
         root = Path(tmp)
         t0 = time.perf_counter()
         write_data(root, args.tokens, args.chunk_tokens)
-        console.print(f"wrote {args.tokens:,} tokens as raw files + {len(args.chunk_tokens)} shard sets "
-                      f"in {time.perf_counter() - t0:.1f} s")
+        console.print(
+            f"wrote {args.tokens:,} tokens as raw files + {len(args.chunk_tokens)} shard sets "
+            f"in {time.perf_counter() - t0:.1f} s"
+        )
         for chunk in args.chunk_tokens:
             mixture = load_mixture(root / f"shards-{chunk}.yaml")
             ours = time_batches(iter(MixtureLoader(mixture, BATCH, prefetch=args.threads)), args.batches)
@@ -169,9 +208,15 @@ def main() -> None:
         t0 = time.perf_counter()
         report = check_leakage(mixture, use_cache=False)
         leak_seconds = time.perf_counter() - t0
-    table = Table("source format", "MixtureLoader tok/s", "plain Grain tok/s", "OLMo-core tok/s",
-                  "ours / Grain", "ours / OLMo-core",
-                  title=f"loader throughput: seq {SEQ}, {BATCH} seq/batch, {args.threads} reader threads each, 1 rank")
+    table = Table(
+        "source format",
+        "MixtureLoader tok/s",
+        "plain Grain tok/s",
+        "OLMo-core tok/s",
+        "ours / Grain",
+        "ours / OLMo-core",
+        title=f"loader throughput: seq {SEQ}, {BATCH} seq/batch, {args.threads} reader threads each, 1 rank",
+    )
     for label, ours, plain, peer in rows:
         if isinstance(peer, dict):
             peer_cells = (f"{peer['tokens_per_second']:,.0f}", f"{ours / peer['tokens_per_second']:.2f}")
@@ -181,9 +226,11 @@ def main() -> None:
     console.print(table)
     peer = rows[-1][3]
     if isinstance(peer, dict):
-        console.print(f"OLMo-core {peer['olmo_core']} (torch {peer['torch']}): num_workers={peer['num_workers']}, "
-                      f"num_threads={peer['num_threads']}, {peer['instances']:,} instances, "
-                      f"index build {peer['setup_s']:.2f} s (not timed)")
+        console.print(
+            f"OLMo-core {peer['olmo_core']} (torch {peer['torch']}): num_workers={peer['num_workers']}, "
+            f"num_threads={peer['num_threads']}, {peer['instances']:,} instances, "
+            f"index build {peer['setup_s']:.2f} s (not timed)"
+        )
     console.print(
         f"leakage check ({report.ngram}-grams, {report.training_tokens:,} training tokens from shards, "
         f"single-threaded numpy): {report.training_tokens / leak_seconds:,.0f} tokens/s per core"

@@ -51,8 +51,22 @@ def test_batch_digests_of_two_ranks_combine_to_the_global_digest(tmp_path, capsy
         assert digest == reference_digest(order.global_batch(int(step), 8), int(step), 0)
     per_rank = []
     for rank in (0, 1):
-        _, out = run(capsys, "batches", path, "--start", 3, "--count", 4, "--global-batch", 8,
-                     "--dp-size", 2, "--dp-rank", rank, "--digest")
+        _, out = run(
+            capsys,
+            "batches",
+            path,
+            "--start",
+            3,
+            "--count",
+            4,
+            "--global-batch",
+            8,
+            "--dp-size",
+            2,
+            "--dp-rank",
+            rank,
+            "--digest",
+        )
         per_rank.append([line.split()[1] for line in out.splitlines()])
     assert [combine_digests([a, b]) for a, b in zip(*per_rank)] == [d for _, d in lines]
     assert per_rank[0] != per_rank[1]
@@ -95,6 +109,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
 
 def test_console_script_runs(tmp_path):
     path = two_source_mixture(tmp_path)
-    out = subprocess.run([sys.executable, "-m", "olmo_data.cli", "batches", str(path), "--count", "2", "--digest"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "olmo_data.cli", "batches", str(path), "--count", "2", "--digest"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     assert len(out.splitlines()) == 2

@@ -161,7 +161,10 @@ def test_repetition_limit_stops_within_one_block_of_the_budget(tmp_path):
     assert mixture.num_instances() == [1573, 3147] and mixture.order.num_blocks == 4
     loader = MixtureLoader(mixture, B, prefetch=2)
     consumed = 0
-    with pytest.raises(DataError, match="global batch [0-9]+: global instance [0-9]+ would read source 'code' .* beyond max_repetition: 1573 instances = 1 epochs"):
+    with pytest.raises(
+        DataError,
+        match="global batch [0-9]+: global instance [0-9]+ would read source 'code' .* beyond max_repetition: 1573 instances = 1 epochs",
+    ):
         for _ in loader:
             consumed += 1
     assert 1180 // B <= consumed <= 1748 // B

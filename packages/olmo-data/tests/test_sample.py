@@ -116,7 +116,11 @@ def test_cache_builds_once_under_concurrency_and_rebuilds_when_stale(tmp_path, m
         builds.append(target)
         time.sleep(0.2)  # long enough for the other threads to reach the lock
         (target / "mixture.yaml").write_text("name: sample\n")
-        record = {"version": sample.SAMPLE_VERSION, "python_version": sample.python_version(), "recipe": sample.recipe_hash()}
+        record = {
+            "version": sample.SAMPLE_VERSION,
+            "python_version": sample.python_version(),
+            "recipe": sample.recipe_hash(),
+        }
         (target / "build.json").write_text(json.dumps(record))
 
     monkeypatch.setattr(sample, "build_sample", fake_build)

@@ -33,7 +33,9 @@ def corpus(tmp_path):
     for name, n, seed in [("b.jsonl", 11, 1), ("a.jsonl", 6, 2), ("c.jsonl", 9, 3)]:
         texts = _texts(n, seed)
         (tmp_path / "in").mkdir(exist_ok=True)
-        (tmp_path / "in" / name).write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+        (tmp_path / "in" / name).write_text(
+            "".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts))
+        )
         files[name] = texts
     tok = train_tokenizer([t for texts in files.values() for t in texts], vocab_size=300)
     tok.save(str(tmp_path / "tokenizer.json"))
@@ -53,15 +55,30 @@ def _shard_docs(paths) -> dict[str, list[list[int]]]:
 def test_tokenize_jsonl_two_processes_and_resume(corpus):
     root, files = corpus
     tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-    args = ["--input", str(root / "in" / "*.jsonl"), "--tokenizer", str(root / "tokenizer.json"),
-            "--output", str(root / "out"), "--num-proc", "2", "--docs-per-shard", "4"]
+    args = [
+        "--input",
+        str(root / "in" / "*.jsonl"),
+        "--tokenizer",
+        str(root / "tokenizer.json"),
+        "--output",
+        str(root / "out"),
+        "--num-proc",
+        "2",
+        "--docs-per-shard",
+        "4",
+    ]
     assert tokenize_main(args) == 0
     shards = sorted((root / "out").glob("*.shard"))
     # 6, 11, 9 docs in parts of 4 -> 2 + 3 + 3 shards, named after their input file.
     assert [p.name for p in shards] == [
-        "a.jsonl-00000.shard", "a.jsonl-00001.shard",
-        "b.jsonl-00000.shard", "b.jsonl-00001.shard", "b.jsonl-00002.shard",
-        "c.jsonl-00000.shard", "c.jsonl-00001.shard", "c.jsonl-00002.shard",
+        "a.jsonl-00000.shard",
+        "a.jsonl-00001.shard",
+        "b.jsonl-00000.shard",
+        "b.jsonl-00001.shard",
+        "b.jsonl-00002.shard",
+        "c.jsonl-00000.shard",
+        "c.jsonl-00001.shard",
+        "c.jsonl-00002.shard",
     ]
     docs = _shard_docs(shards)
     for p in shards:
@@ -88,8 +105,20 @@ def test_jobs_partition_the_documents(corpus):
     jobs = []
     for i in range(2):
         out = root / f"job{i}"
-        tokenize_main(["--input", str(root / "in"), "--tokenizer", str(root / "tokenizer.json"),
-                       "--output", str(out), "--shard-index", str(i), "--num-shards", "2"])
+        tokenize_main(
+            [
+                "--input",
+                str(root / "in"),
+                "--tokenizer",
+                str(root / "tokenizer.json"),
+                "--output",
+                str(out),
+                "--shard-index",
+                str(i),
+                "--num-shards",
+                "2",
+            ]
+        )
         jobs.append([d for ds in _shard_docs(out.glob("*.shard")).values() for d in ds])
     tok = Tokenizer.from_file(str(root / "tokenizer.json"))
     every = sorted(tok.encode(t).ids + [0] for texts in files.values() for t in texts)
@@ -115,8 +144,9 @@ def test_txt_and_compressed_inputs(tmp_path, corpus):
     expected = [tok.encode(t).ids + [0] for t in texts]
     for src, extra in [("txt", []), ("lines", ["--txt-per-line"]), ("gz", []), ("zst", [])]:
         out = tmp_path / f"out-{src}"
-        tokenize_main(["--input", str(tmp_path / src), "--tokenizer", str(root / "tokenizer.json"),
-                       "--output", str(out), *extra])
+        tokenize_main(
+            ["--input", str(tmp_path / src), "--tokenizer", str(root / "tokenizer.json"), "--output", str(out), *extra]
+        )
         got = [d for ds in _shard_docs(out.glob("*.shard")).values() for d in ds]
         assert got == expected
 
@@ -134,5 +164,17 @@ def test_bad_inputs(tmp_path, corpus, monkeypatch):
     with pytest.raises(DataError, match="needs `datasets`.*--extra tokenize"):
         tokenize_main(["--input", "allenai/some-dataset", "--tokenizer", tok, "--output", str(tmp_path / "o")])
     with pytest.raises(DataError, match="--shard-index 2 is outside"):
-        tokenize_main(["--input", str(root / "in"), "--tokenizer", tok, "--output", str(tmp_path / "o"),
-                       "--shard-index", "2", "--num-shards", "2"])
+        tokenize_main(
+            [
+                "--input",
+                str(root / "in"),
+                "--tokenizer",
+                tok,
+                "--output",
+                str(tmp_path / "o"),
+                "--shard-index",
+                "2",
+                "--num-shards",
+                "2",
+            ]
+        )

@@ -12,7 +12,9 @@ from olmo_model.cli import main
 def test_describe_olmo3_7b_json_subprocess():
     out = subprocess.run(
         [sys.executable, "-m", "olmo_model.cli", "describe", "olmo3-7b", "--json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     info = json.loads(out.stdout)
     assert info["params_total"] == 7_298_617_344  # DESIGN.md

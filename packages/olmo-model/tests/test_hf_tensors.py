@@ -65,14 +65,36 @@ def _other_d_model(shapes):
 @pytest.mark.parametrize(
     ("corrupt", "needles"),
     [
-        (_drop_two, ["missing tensor 'model.layers.2.self_attn.k_norm.weight' (expected shape (64,)) (and 1 more)",
-                     "spec_from_hf_config"]),
-        (_extra_layer, ["unexpected tensor 'model.layers.4.mlp.up_proj.weight' is not a parameter of spec 'tiny'",
-                        "more layers than n_layers=4"]),
-        (_wrong_kv_width, ["tensor 'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), expected (64, 64) "
-                           "(and 3 more) for spec 'tiny'", "n_kv_heads"]),
-        (_other_vocab, ["vocab mismatch in 'model.embed_tokens.weight': checkpoint has 4224 rows, "
-                        "spec padded_vocab_size is 4096", "set padded_vocab_size"]),
+        (
+            _drop_two,
+            [
+                "missing tensor 'model.layers.2.self_attn.k_norm.weight' (expected shape (64,)) (and 1 more)",
+                "spec_from_hf_config",
+            ],
+        ),
+        (
+            _extra_layer,
+            [
+                "unexpected tensor 'model.layers.4.mlp.up_proj.weight' is not a parameter of spec 'tiny'",
+                "more layers than n_layers=4",
+            ],
+        ),
+        (
+            _wrong_kv_width,
+            [
+                "tensor 'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), expected (64, 64) "
+                "(and 3 more) for spec 'tiny'",
+                "n_kv_heads",
+            ],
+        ),
+        (
+            _other_vocab,
+            [
+                "vocab mismatch in 'model.embed_tokens.weight': checkpoint has 4224 rows, "
+                "spec padded_vocab_size is 4096",
+                "set padded_vocab_size",
+            ],
+        ),
         # Rows fit but the width does not: a size mismatch, not a vocab one.
         (_other_d_model, ["tensor 'model.embed_tokens.weight' has shape (4096, 128), expected (4096, 64)"]),
     ],
@@ -111,8 +133,16 @@ def test_non_strict_skips_missing_and_extra_but_not_a_wrong_shape():
 def olmoe():
     """An OLMoE model's config-derived spec and its transformers state dict (fused experts)."""
     cfg = transformers.OlmoeConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_experts=4, num_experts_per_tok=2, eos_token_id=0, pad_token_id=1, bos_token_id=None,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        eos_token_id=0,
+        pad_token_id=1,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     state = transformers.OlmoeForCausalLM(cfg).state_dict()
@@ -124,8 +154,11 @@ def test_fused_olmoe_experts_point_to_hf_moe_and_split_ones_pass(olmoe):
     # transformers' fused experts split per expert by hf_moe: our layout, which passes.
     split = {}
     for layer in range(spec.n_layers):
-        block = {k.removeprefix(f"model.layers.{layer}.mlp."): v.numpy() for k, v in state.items()
-                 if k.startswith(f"model.layers.{layer}.mlp.")}
+        block = {
+            k.removeprefix(f"model.layers.{layer}.mlp."): v.numpy()
+            for k, v in state.items()
+            if k.startswith(f"model.layers.{layer}.mlp.")
+        }
         split.update(block_tensors_from_olmoe(block, spec, layer))
     shapes = {n: tuple(t.shape) for n, t in state.items() if ".mlp." not in n and "input_layernorm" not in n}
     shapes |= {name: t.shape for name, t in split.items()}

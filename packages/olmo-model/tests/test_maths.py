@@ -83,8 +83,16 @@ def test_moe_counts_by_hand():
 
 def _hand_spec(**changes) -> ModelSpec:
     base = dict(
-        d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, vocab_size=100, padded_vocab_size=128,
-        eos_token_id=0, pad_token_id=1, sliding_window=4, layer_types=(SLIDING, FULL),
+        d_model=16,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden=32,
+        vocab_size=100,
+        padded_vocab_size=128,
+        eos_token_id=0,
+        pad_token_id=1,
+        sliding_window=4,
+        layer_types=(SLIDING, FULL),
         max_position_embeddings=64,
     )
     return ModelSpec(**{**base, **changes})

@@ -50,8 +50,14 @@ def test_quarter_of_the_devices_keeps_the_global_batch(capsys):
 
 
 def test_refuses_what_cannot_fit_and_names_the_knob(capsys):
-    rc, out = _plan(capsys, "--devices", "h100:512", "--train.micro_batch_size=null",
-                    "--train.global_batch_tokens=33554432", "--torch.activation_checkpointing=false")
+    rc, out = _plan(
+        capsys,
+        "--devices",
+        "h100:512",
+        "--train.micro_batch_size=null",
+        "--train.global_batch_tokens=33554432",
+        "--torch.activation_checkpointing=false",
+    )
     assert rc == 1
     plan = out["plans"][0]
     assert not plan["fits"] and plan["per_device_batch"] == 8
@@ -68,17 +74,44 @@ def test_unknown_device_and_indivisible_layout(capsys):
 def test_launchers_dry_run_print_the_exact_commands():
     env = {**os.environ, "NNODES": "16", "NODE_RANK": "3", "MASTER_ADDR": "node0", "GPUS_PER_NODE": "8"}
     gpu = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "launch_gpu.sh"), str(STAGE1), "--device", "h100", "--dry-run",
-         "--", "--optim.lr=2e-4"],
-        capture_output=True, text=True, env=env, check=True,
+        [
+            "bash",
+            str(ROOT / "scripts" / "launch_gpu.sh"),
+            str(STAGE1),
+            "--device",
+            "h100",
+            "--dry-run",
+            "--",
+            "--optim.lr=2e-4",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
     ).stdout
     assert f"olmo-plan {STAGE1} --devices h100:128 --optim.lr=2e-4" in gpu
-    assert "torchrun --nnodes 16 --nproc-per-node 8 --node-rank 3 --rdzv-backend c10d --rdzv-endpoint node0:29500" in gpu
+    assert (
+        "torchrun --nnodes 16 --nproc-per-node 8 --node-rank 3 --rdzv-backend c10d --rdzv-endpoint node0:29500" in gpu
+    )
     assert f"-m olmo_train_torch {STAGE1} --optim.lr=2e-4" in gpu
     tpu = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "launch_tpu.sh"), str(STAGE1), "--device", "v5p", "--devices", "128",
-         "--tpu-name", "slice", "--zone", "z", "--dry-run"],
-        capture_output=True, text=True, check=True,
+        [
+            "bash",
+            str(ROOT / "scripts" / "launch_tpu.sh"),
+            str(STAGE1),
+            "--device",
+            "v5p",
+            "--devices",
+            "128",
+            "--tpu-name",
+            "slice",
+            "--zone",
+            "z",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert f"olmo-plan {STAGE1} --devices v5p:128" in tpu
     assert "tpu-vm ssh slice --zone z --worker=all" in tpu

@@ -6,6 +6,7 @@ import math
 import pytest
 import yaml
 
+from olmo_model import get_preset
 from olmo_model.recipe import RecipeError, batch_layout, load_recipe
 from olmo_model.runlog import (
     SpikeGuard,
@@ -16,17 +17,20 @@ from olmo_model.runlog import (
     prune_checkpoints,
     training_meta,
 )
-from olmo_model import get_preset
 
 
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "r.yaml"
-    path.write_text(yaml.safe_dump({
-        "model": "tiny",
-        "optim": {"lr": 1e-3},
-        "train": {"tokens": 10_000, "global_batch_tokens": 1024},
-        "schedule": {"kind": "linear", "warmup_steps": 3},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": "tiny",
+                "optim": {"lr": 1e-3},
+                "train": {"tokens": 10_000, "global_batch_tokens": 1024},
+                "schedule": {"kind": "linear", "warmup_steps": 3},
+            }
+        )
+    )
     r = load_recipe(path, ["--optim.weight_decay=0.05", "--train.seed", "7", "--model.sliding_window=16"])
     assert r.optim.lr == 1e-3 and r.optim.weight_decay == 0.05 and r.train.seed == 7
     # 10_000 tokens / 1024 per step, rounded up

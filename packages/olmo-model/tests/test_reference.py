@@ -154,16 +154,20 @@ def test_bad_inputs_are_one_line_errors():
 
 # ---- MoE ------------------------------------------------------------------------------
 
+
 def _moe_spec(normalize: bool, gating: str = "softmax", shared: int = 0):
     return get_preset("tiny-moe").replace(
         n_layers=2,
-        moe=dict(n_experts=8, top_k=3, expert_hidden=32, n_shared_experts=shared, gating=gating, normalize_top_k=normalize),
+        moe=dict(
+            n_experts=8, top_k=3, expert_hidden=32, n_shared_experts=shared, gating=gating, normalize_top_k=normalize
+        ),
     )
 
 
 def _scaled_moe_params(spec, seed):
     """Init weights with the routers x25 (routing far from uniform) and the experts x10
     (outputs of order one, so an absolute 1e-9 is a tight bound)."""
+
     def scale(name):
         if name.endswith("mlp.gate.weight"):
             return 25.0
@@ -185,7 +189,10 @@ def _olmoe_block(spec, params, prefix):
     t = to_torch(params)
     # transformers v5 stores experts fused: gate_up_proj [E, 2*hidden, d] (gate rows first), down_proj [E, d, hidden].
     gate_up = torch.stack(
-        [torch.cat([t[f"{prefix}experts.{e}.gate_proj.weight"], t[f"{prefix}experts.{e}.up_proj.weight"]]) for e in range(moe.n_experts)]
+        [
+            torch.cat([t[f"{prefix}experts.{e}.gate_proj.weight"], t[f"{prefix}experts.{e}.up_proj.weight"]])
+            for e in range(moe.n_experts)
+        ]
     )
     down = torch.stack([t[f"{prefix}experts.{e}.down_proj.weight"] for e in range(moe.n_experts)])
     with torch.no_grad():

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+
 from olmo_model.runlog import (
     MetricsLog,
     SpikeGuard,
@@ -63,7 +64,9 @@ def test_a_cut_off_last_metrics_line_is_dropped_and_a_damaged_middle_line_is_an_
 
 def test_final_eval_pending(tmp_path):
     # The workspace installs matplotlib, so the plot is part of a run's end.
-    write = lambda *rs: (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    def write(*records: dict) -> None:
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
     write({"kind": "train", "step": 20}, {"kind": "eval", "step": 10, "eval": {}})
     assert final_eval_pending(tmp_path, 20, ["held"])
     write({"kind": "train", "step": 20}, {"kind": "eval", "step": 20, "eval": {}})

@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
 from olmo_model.recipe import Recipe, load_recipe
 from olmo_model.runlog import (
     CHECKPOINT_FORMAT,
@@ -103,7 +104,9 @@ def test_commit_records_every_file_but_meta_json(run):
 @pytest.mark.parametrize("damage", ["flipped bytes", "truncated", "missing array", "missing _METADATA", "meta.json"])
 def test_a_damaged_newest_checkpoint_is_refused_in_one_line_naming_the_older_good_one(run, damage):
     ckpt = checkpoint_dir(run, 20)
-    named = {"meta.json": ckpt / "meta.json", "missing _METADATA": ckpt / "state" / "_METADATA"}.get(damage, ckpt / ARRAY)
+    named = {"meta.json": ckpt / "meta.json", "missing _METADATA": ckpt / "state" / "_METADATA"}.get(
+        damage, ckpt / ARRAY
+    )
     if damage == "flipped bytes":
         flip_bytes(named)
     elif damage == "truncated":
@@ -190,11 +193,20 @@ def test_allow_recipe_change_continues_and_names_each_change_loudly(run, capsys)
 
 def test_layout_and_cadence_stay_changeable(run, capsys):
     changed = [
-        "--jax.mesh.fsdp=2", "--jax.mesh.data=-1", "--train.micro_batch_size=2", "--torch.parallel=ddp",
-        "--log.every=5", "--eval.every=7", "--checkpoint.every=3", "--checkpoint.keep=9", "--data.prefetch=0",
-        "--spike_guard.enabled=true", "--train.seed=5",
+        "--jax.mesh.fsdp=2",
+        "--jax.mesh.data=-1",
+        "--train.micro_batch_size=2",
+        "--torch.parallel=ddp",
+        "--log.every=5",
+        "--eval.every=7",
+        "--checkpoint.every=3",
+        "--checkpoint.keep=9",
+        "--data.prefetch=0",
+        "--spike_guard.enabled=true",
+        "--train.seed=5",
         "--train.sequence_length=64",  # the mixture's length, which null meant
-        "--train.steps=", "--train.tokens=327680",  # the same 40 steps of 8192 tokens
+        "--train.steps=",
+        "--train.tokens=327680",  # the same 40 steps of 8192 tokens
     ]
     assert resume(run, *changed)[0] == 20
     out = capsys.readouterr()
@@ -223,8 +235,11 @@ def test_clean_orphans_removes_what_interrupted_saves_and_writes_left(run, capsy
     (root / "step_00000005" / "state").mkdir(parents=True)  # an interrupted prune or save, older
     (root / "step_00000030" / "state").mkdir(parents=True)  # an interrupted save, newer: kept
     (root / f".convert-{gone}" / "checkpoints").mkdir(parents=True)
-    stale = [run / f".recipe.yaml.tmp-{gone}", run / f".spec.json.tmp-{gone}",
-             checkpoint_dir(run, 10) / f".meta.json.tmp-{gone}"]
+    stale = [
+        run / f".recipe.yaml.tmp-{gone}",
+        run / f".spec.json.tmp-{gone}",
+        checkpoint_dir(run, 10) / f".meta.json.tmp-{gone}",
+    ]
     live = run / f".metrics.jsonl.tmp-{alive}"
     for p in (*stale, live):
         p.write_text("partial")

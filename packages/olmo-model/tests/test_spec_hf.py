@@ -32,7 +32,12 @@ def test_hf_config_round_trip_through_transformers(preset):
 def test_hf_config_fields_transformers_reads():
     spec = get_preset("olmo3-32b")
     cfg = transformers.Olmo3Config(**hf_config(spec))
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (5120, 64, 40, 8)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (
+        5120,
+        64,
+        40,
+        8,
+    )
     assert cfg.intermediate_size == 27648 and cfg.vocab_size == 100352 and cfg.sliding_window == 4096
     assert cfg.layer_types[:4] == ["sliding_attention"] * 3 + ["full_attention"]
     yarn = transformers.Olmo3Config(**hf_config(get_preset("tiny-yarn"))).rope_parameters["full_attention"]

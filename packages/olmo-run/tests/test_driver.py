@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from olmo_model import flops_per_token
 from olmo_model.recipe import load_recipe
 from olmo_model.runlog import (
@@ -98,11 +99,21 @@ class NumpyModule:
 
 
 def recipe_for(mixture: Path, run_dir: Path, *extra: str):
-    return load_recipe(None, [
-        f"--data.mixture={mixture}", f"--run_dir={run_dir}", "--model=tiny", f"--train.steps={STEPS}",
-        "--train.global_batch_tokens=256", "--checkpoint.every=4", "--eval.every=3", "--log.progress=false",
-        "--data.prefetch=0", *extra,
-    ])
+    return load_recipe(
+        None,
+        [
+            f"--data.mixture={mixture}",
+            f"--run_dir={run_dir}",
+            "--model=tiny",
+            f"--train.steps={STEPS}",
+            "--train.global_batch_tokens=256",
+            "--checkpoint.every=4",
+            "--eval.every=3",
+            "--log.progress=false",
+            "--data.prefetch=0",
+            *extra,
+        ],
+    )
 
 
 def go(recipe, calls, **module_args) -> Path:
@@ -110,8 +121,9 @@ def go(recipe, calls, **module_args) -> Path:
     if announce_finished(plan, True):
         calls.append("finished")
         return plan.run_dir
-    return run(plan, lambda: NumpyModule(plan, calls, **module_args), is_main=True, describe=["numpy module"],
-               title="test")
+    return run(
+        plan, lambda: NumpyModule(plan, calls, **module_args), is_main=True, describe=["numpy module"], title="test"
+    )
 
 
 @pytest.fixture
@@ -125,14 +137,26 @@ def test_train_lines_cadence_and_checkpoints(mixture, tmp_path, capsys):
     calls: list[str] = []
     run_dir = go(recipe, calls)
     # Saves at 4 and 6 (the last step), evals at 3 and 6; a save is committed by the next poll.
-    assert calls == ["step 1", "step 2", "step 3", "eval", "step 4", "save 4", "step 5", "commit 4", "step 6",
-                     "save 6", "eval", "commit 6"]
+    assert calls == [
+        "step 1",
+        "step 2",
+        "step 3",
+        "eval",
+        "step 4",
+        "save 4",
+        "step 5",
+        "commit 4",
+        "step 6",
+        "save 6",
+        "eval",
+        "commit 6",
+    ]
     records = read_metrics(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     weight = 1.0
     for r in train:
-        assert tuple(r)[: len(TRAIN_KEYS)] == TRAIN_KEYS and tuple(r)[len(TRAIN_KEYS):] == ("weight",)
+        assert tuple(r)[: len(TRAIN_KEYS)] == TRAIN_KEYS and tuple(r)[len(TRAIN_KEYS) :] == ("weight",)
         lr = recipe.schedule.lr(r["step"], recipe.optim.lr, STEPS)
         weight -= lr
         assert r["lr"] == lr and r["weight"] == pytest.approx(weight, abs=1e-15)

@@ -20,9 +20,9 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
+
 from olmo_train_jax.causal_attention import blocked_causal_attention
 
 
@@ -40,6 +40,7 @@ def main() -> None:
 
     calls, grads = {}, {}
     for loop in (0, 1):
+
         def attend(q, k, v, loop=loop):
             return blocked_causal_attention(q, k, v, batch_loop=loop)
 
@@ -73,8 +74,10 @@ def main() -> None:
             fn()
             best[key] = min(best[key], time.perf_counter() - t0)
 
-    print(f"causal attention, batch {args.batch}, seq {args.seq}, {args.heads} heads of {args.head_dim}, float32, "
-          f"best of {args.repeats}, jax {jax.__version__}, torch {torch.__version__}")
+    print(
+        f"causal attention, batch {args.batch}, seq {args.seq}, {args.heads} heads of {args.head_dim}, float32, "
+        f"best of {args.repeats}, jax {jax.__version__}, torch {torch.__version__}"
+    )
     print("| implementation | forward ms | forward + backward ms |\n|---|---:|---:|")
     for name in dict.fromkeys(n for n, _ in calls):
         print(f"| {name} | {best[name, 'forward'] * 1e3:.1f} | {best[name, 'forward + backward'] * 1e3:.1f} |")

@@ -43,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+
 from olmo_model import MoESpec  # noqa: E402
 from olmo_train_jax.expert_parallel import EXPERT_AXIS, expert_parallel_experts  # noqa: E402
 from olmo_train_jax.moe import ExpertWeights, local_experts, moe_block  # noqa: E402
@@ -61,8 +62,9 @@ def make_block(n_experts: int, seed: int = 0) -> tuple[MoESpec, dict]:
 
     params = {
         "router": w(0, D_MODEL, n_experts),
-        "routed": ExpertWeights(w(1, n_experts, D_MODEL, HIDDEN), w(2, n_experts, D_MODEL, HIDDEN),
-                                w(3, n_experts, HIDDEN, D_MODEL)),
+        "routed": ExpertWeights(
+            w(1, n_experts, D_MODEL, HIDDEN), w(2, n_experts, D_MODEL, HIDDEN), w(3, n_experts, HIDDEN, D_MODEL)
+        ),
         "shared": ExpertWeights(w(4, D_MODEL, HIDDEN), w(5, D_MODEL, HIDDEN), w(6, HIDDEN, D_MODEL)),
     }
     return moe, params
@@ -72,8 +74,9 @@ def train_step_fn(moe: MoESpec, routing: str, experts_fn):
     """jit(grad) of the block's loss: the MoE part of a train step's forward and backward."""
 
     def loss(params, x):
-        out, stats = moe_block(x, params["router"], params["routed"], params["shared"], moe,
-                               routing=routing, experts_fn=experts_fn)
+        out, stats = moe_block(
+            x, params["router"], params["routed"], params["shared"], moe, routing=routing, experts_fn=experts_fn
+        )
         return jnp.mean(jnp.square(out)) + 0.01 * stats.load_balancing
 
     return jax.jit(jax.grad(loss))
@@ -137,16 +140,18 @@ def allgather_experts(mesh):
 
     def experts_fn(x, experts, weights, w):
         split = ExpertWeights(P(EXPERT_AXIS), P(EXPERT_AXIS), P(EXPERT_AXIS))
-        return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, split),
-                             out_specs=(tokens, P()))(x, experts, weights, w)
+        return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, split), out_specs=(tokens, P()))(
+            x, experts, weights, w
+        )
 
     return experts_fn
 
 
 def expert_parallel_vs_allgather(tokens: int, repeats: int) -> list[dict]:
     mesh = jax.make_mesh((EP,), (EXPERT_AXIS,), axis_types=(AxisType.Auto,))
-    x = jax.device_put(jax.random.normal(jax.random.key(1), (tokens, D_MODEL), jnp.float32),
-                       NamedSharding(mesh, P(EXPERT_AXIS)))
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(1), (tokens, D_MODEL), jnp.float32), NamedSharding(mesh, P(EXPERT_AXIS))
+    )
     rows = []
     fns, meta = {}, {}
     for n_experts in (8, 64):
@@ -163,15 +168,24 @@ def expert_parallel_vs_allgather(tokens: int, repeats: int) -> list[dict]:
         # allgather: each device's expert shard to every other device, and the gradient's
         # reduce-scatter back: 2 x (ep-1) shards of 3 x d x hidden per local expert.
         ag_bytes = 2 * (EP - 1) * (n_experts // EP) * 3 * D_MODEL * HIDDEN * BYTES
-        for how, fn, sent in (("ep", expert_parallel_experts(mesh), ep_bytes),
-                              ("allgather", allgather_experts(mesh), ag_bytes)):
+        for how, fn, sent in (
+            ("ep", expert_parallel_experts(mesh), ep_bytes),
+            ("allgather", allgather_experts(mesh), ag_bytes),
+        ):
             step = train_step_fn(moe, "uniform", fn)
             fns[how, n_experts] = functools.partial(step, placed, x)
             meta[how, n_experts] = sent
     best = best_times(fns, repeats)
     for (how, n_experts), t in best.items():
-        rows.append({"how": how, "experts": n_experts, "seconds": t, "tokens_per_s": tokens / t,
-                     "mib_sent_per_device": meta[how, n_experts] / 2**20})
+        rows.append(
+            {
+                "how": how,
+                "experts": n_experts,
+                "seconds": t,
+                "tokens_per_s": tokens / t,
+                "mib_sent_per_device": meta[how, n_experts] / 2**20,
+            }
+        )
     return rows
 
 
@@ -181,8 +195,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
     load_before = os.getloadavg()
-    print(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, {args.tokens} tokens, "
-          f"best of {args.repeats}")
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, {args.tokens} tokens, "
+        f"best of {args.repeats}"
+    )
     print("\npart 1: one device, forward+backward of one MoE block (top-4, constant active parameters)")
     print("| experts | step ms | tokens/s |\n|---:|---:|---:|")
     for r in scaling(args.tokens, args.repeats):
@@ -195,8 +211,10 @@ def main() -> None:
     print("| experts | how | step ms | tokens/s (all devices) | MiB sent per device per step |")
     print("|---:|---|---:|---:|---:|")
     for r in expert_parallel_vs_allgather(args.tokens, args.repeats):
-        print(f"| {r['experts']} | {r['how']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['mib_sent_per_device']:.2f} |")
+        print(
+            f"| {r['experts']} | {r['how']} | {r['seconds'] * 1e3:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['mib_sent_per_device']:.2f} |"
+        )
     load_after = os.getloadavg()
     print(f"\nload average (1 min) before {load_before[0]:.1f}, after {load_after[0]:.1f} on {os.cpu_count()} cores")
 

@@ -32,6 +32,7 @@ def jax_step(spec, ids: np.ndarray, labels: np.ndarray):
     """olmo-train-jax's fused train step (fp32), placed as the trainer places it: a no-argument
     callable that runs one step and returns its loss."""
     import jax.numpy as jnp
+
     from olmo_model.recipe import load_recipe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step
@@ -66,8 +67,9 @@ def torch_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
 def transformers_step(spec, ids: np.ndarray, labels: np.ndarray):
     """transformers' Olmo3ForCausalLM train step with torch AdamW (same loss, clip, AdamW)."""
     import torch
-    from olmo_model import hf_config
     from transformers import Olmo3Config, Olmo3ForCausalLM
+
+    from olmo_model import hf_config
 
     torch.manual_seed(0)
     model = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).float().train()
@@ -75,7 +77,10 @@ def transformers_step(spec, ids: np.ndarray, labels: np.ndarray):
     no_decay = [p for n, p in model.named_parameters() if "embed_tokens" in n]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        foreach=True,
     )
     x, y = torch.from_numpy(ids).long(), torch.from_numpy(labels).long()
 
@@ -118,13 +123,14 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
     import jax.numpy as jnp
     import torch
     from flax import nnx
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
     from olmo_model import hf_config
     from olmo_model.recipe import load_recipe
-    from olmo_train_jax.model import build_model
     from olmo_train_jax.head_loss import head_loss_sums
+    from olmo_train_jax.model import build_model
     from olmo_train_jax.train import make_optimizer, token_loss_sums
     from olmo_train_torch.head_loss import head_loss_sums as torch_head_loss_sums
-    from transformers import Olmo3Config, Olmo3ForCausalLM
 
     rng = np.random.default_rng(1)
     hidden = rng.standard_normal((batch, seq, spec.d_model)).astype(np.float32)
@@ -226,9 +232,10 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from olmo_model import flops_per_token, get_preset
     from rich.console import Console
     from rich.table import Table
+
+    from olmo_model import flops_per_token, get_preset
 
     torch.set_num_threads(os.cpu_count() or 1)
     spec = get_preset(args.preset)
@@ -255,7 +262,8 @@ def main() -> None:
     contenders = {
         "olmo-train-jax (jit)": (jax_step(spec, ids, labels), lambda: measure_cpu_matmul_peak(repeats=3)),
         "transformers Olmo3ForCausalLM (eager)": (
-            transformers_step(spec, ids, labels), lambda: torch_matmul_peak(repeats=3)
+            transformers_step(spec, ids, labels),
+            lambda: torch_matmul_peak(repeats=3),
         ),
     }
     results = bench_interleaved(contenders, args.steps)
@@ -267,16 +275,30 @@ def main() -> None:
         title=f"{args.preset} train step, seq {args.seq}, batch {args.batch}, fp32, window {window}, "
         f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()}), {args.steps} interleaved rounds"
     )
-    for col in ("implementation", "first step s", "best step s", "median step s", "tokens/s (best)",
-                "CPU-MFU median (range)", "best step / best peak", "matmul peak GFLOP/s", "ratio median (range)"):
+    for col in (
+        "implementation",
+        "first step s",
+        "best step s",
+        "median step s",
+        "tokens/s (best)",
+        "CPU-MFU median (range)",
+        "best step / best peak",
+        "matmul peak GFLOP/s",
+        "ratio median (range)",
+    ):
         table.add_column(col, justify="right" if col != "implementation" else "left")
     for name, r in results.items():
         times, peaks = np.asarray(r["times"]), np.asarray(r["peaks"])
         mfu = fpt * tokens / times / peaks  # per round: the step over the peak measured next to it
         ratio = base_times / times  # per round: same round, same machine state
         table.add_row(
-            name, f"{r['first']:.2f}", f"{times.min():.2f}", f"{np.median(times):.2f}", f"{tokens / times.min():,.0f}",
-            f"{np.median(mfu):.1%} ({mfu.min():.1%}-{mfu.max():.1%})", f"{fpt * tokens / times.min() / peaks.max():.1%}",
+            name,
+            f"{r['first']:.2f}",
+            f"{times.min():.2f}",
+            f"{np.median(times):.2f}",
+            f"{tokens / times.min():,.0f}",
+            f"{np.median(mfu):.1%} ({mfu.min():.1%}-{mfu.max():.1%})",
+            f"{fpt * tokens / times.min() / peaks.max():.1%}",
             f"{peaks.min() / 1e9:.0f}-{peaks.max() / 1e9:.0f}",
             f"{np.median(ratio):.2f}x ({ratio.min():.2f}-{ratio.max():.2f})",
         )

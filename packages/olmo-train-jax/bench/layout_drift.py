@@ -27,15 +27,20 @@ from pathlib import Path
 from olmo_model.runlog import read_metrics
 
 DEFAULTS = [
-    "--model=tiny-moe", "--data.mixture=sample", "--train.sequence_length=64", "--train.global_batch_tokens=1024",
-    "--train.precision=fp32", "--log.progress=false",
+    "--model=tiny-moe",
+    "--data.mixture=sample",
+    "--train.sequence_length=64",
+    "--train.global_batch_tokens=1024",
+    "--train.precision=fp32",
+    "--log.progress=false",
 ]
 
 
 def run(run_dir: Path, devices: int, args: list[str]) -> dict[int, dict]:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    done = subprocess.run([sys.executable, "-m", "olmo_train_jax", *args, f"--run_dir={run_dir}"], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "olmo_train_jax", *args, f"--run_dir={run_dir}"], env=env, capture_output=True, text=True
+    )
     if done.returncode != 0:
         sys.exit(f"the {devices}-device run failed:\n{done.stderr[-3000:]}")
     return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
@@ -48,8 +53,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("overrides", nargs="*", help="recipe overrides for both runs (after --)")
     args = parser.parse_args()
-    common = [*DEFAULTS, f"--train.steps={args.steps}", f"--checkpoint.every={args.steps}",
-              f"--eval.every={args.steps}", *args.overrides]
+    common = [
+        *DEFAULTS,
+        f"--train.steps={args.steps}",
+        f"--checkpoint.every={args.steps}",
+        f"--eval.every={args.steps}",
+        *args.overrides,
+    ]
     mesh = [f"--jax.mesh.{kv.strip()}" for kv in args.mesh.split(",") if kv.strip()]
     with tempfile.TemporaryDirectory(prefix="layout-drift-") as tmp:
         one = run(Path(tmp) / "one", 1, common)
@@ -64,12 +74,16 @@ def main() -> None:
         same = a.get("moe_tokens_per_expert") == b.get("moe_tokens_per_expert")
         if moe and not same and first_flip is None:
             first_flip = s
-        print(f"| {s} | {a['loss']:.7f} | {b['loss']:.7f} | {abs(a['loss'] - b['loss']):.2e} |"
-              + (f" {'yes' if same else 'no'} |" if moe else ""))
+        print(
+            f"| {s} | {a['loss']:.7f} | {b['loss']:.7f} | {abs(a['loss'] - b['loss']):.2e} |"
+            + (f" {'yes' if same else 'no'} |" if moe else "")
+        )
     upto = [abs(one[s]["loss"] - many[s]["loss"]) for s in sorted(one) if first_flip is None or s < first_flip]
     if moe:
-        print(f"first step with different routing: {first_flip or 'none'}; largest loss difference before it: "
-              f"{max(upto, default=0.0):.2e}")
+        print(
+            f"first step with different routing: {first_flip or 'none'}; largest loss difference before it: "
+            f"{max(upto, default=0.0):.2e}"
+        )
     else:
         print(f"largest loss difference: {max(upto):.2e}")
 

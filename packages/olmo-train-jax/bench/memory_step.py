@@ -22,6 +22,7 @@ import collections
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
 from olmo_model import get_preset
 from olmo_model.recipe import load_recipe
 from olmo_train_jax import model as model_module
@@ -78,11 +79,17 @@ def main() -> None:
     label = "plain autodiff" if args.plain else "custom VJPs"
     for remat in REMAT_POLICIES:
         total, top = residuals(few, remat, args.seq)
-        print(f"residuals, {args.preset} x {args.layers} layers, {args.seq} tokens, remat {remat} ({label}): "
-              f"{total:.2f} GiB; largest: " + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
+        print(
+            f"residuals, {args.preset} x {args.layers} layers, {args.seq} tokens, remat {remat} ({label}): "
+            f"{total:.2f} GiB; largest: " + ", ".join(f"{k} {v:.2f}" for k, v in top),
+            flush=True,
+        )
     for batch in args.temp_batches:
-        print(f"XLA temp of the gradient program ({jax.default_backend()}), {args.preset}, {batch} x {args.seq} "
-              f"tokens, remat none ({label}): {temp_gib(spec, batch, args.seq):.1f} GiB", flush=True)
+        print(
+            f"XLA temp of the gradient program ({jax.default_backend()}), {args.preset}, {batch} x {args.seq} "
+            f"tokens, remat none ({label}): {temp_gib(spec, batch, args.seq):.1f} GiB",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

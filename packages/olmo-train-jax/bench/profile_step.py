@@ -34,23 +34,36 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--top", type=int, default=20, help="how many single ops to list")
-    parser.add_argument("--moe-experts", type=int, default=0,
-                        help="profile bench_moe.py's MoE block step (learned routing, 2048 tokens) with this many "
-                             "experts instead of the trainer's step")
-    parser.add_argument("--moe-ep", action="store_true",
-                        help="with --moe-experts: the block's experts split over 4 simulated devices (expert "
-                             "parallel, uniform routing, bench_moe.py part 2); op times of the 4 devices add up")
+    parser.add_argument(
+        "--moe-experts",
+        type=int,
+        default=0,
+        help="profile bench_moe.py's MoE block step (learned routing, 2048 tokens) with this many "
+        "experts instead of the trainer's step",
+    )
+    parser.add_argument(
+        "--moe-ep",
+        action="store_true",
+        help="with --moe-experts: the block's experts split over 4 simulated devices (expert "
+        "parallel, uniform routing, bench_moe.py part 2); op times of the 4 devices add up",
+    )
     args = parser.parse_args()
     module = "jit_loss" if args.moe_experts else "jit_fused"
 
     work = Path(tempfile.mkdtemp(prefix="olmo-profile-"))
-    os.environ["XLA_FLAGS"] = " ".join([
-        os.environ.get("XLA_FLAGS", ""), "--xla_cpu_enable_xprof_traceme=true", f"--xla_dump_to={work / 'hlo'}",
-        "--xla_dump_hlo_as_text", f"--xla_dump_hlo_module_re={module}",
-        "--xla_force_host_platform_device_count=4" if args.moe_ep else "",
-    ])
+    os.environ["XLA_FLAGS"] = " ".join(
+        [
+            os.environ.get("XLA_FLAGS", ""),
+            "--xla_cpu_enable_xprof_traceme=true",
+            f"--xla_dump_to={work / 'hlo'}",
+            "--xla_dump_hlo_as_text",
+            f"--xla_dump_hlo_module_re={module}",
+            "--xla_force_host_platform_device_count=4" if args.moe_ep else "",
+        ]
+    )
     import jax
     import numpy as np
+
     from olmo_model import get_preset
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -75,8 +88,7 @@ def main() -> None:
     hlo = "\n".join(Path(f).read_text() for f in glob.glob(str(work / "hlo" / f"*{module}*after_optimizations.txt")))
     # "%name = shape kind(operands), ... op_name="..."": the op's result shape and where it came from.
     info = {
-        m.group(1): (m.group(2), m.group(3))
-        for m in re.finditer(r"%(\S+) = (\S+) [^\n]*?op_name=\"([^\"]*)\"", hlo)
+        m.group(1): (m.group(2), m.group(3)) for m in re.finditer(r"%(\S+) = (\S+) [^\n]*?op_name=\"([^\"]*)\"", hlo)
     }
     trace = json.load(gzip.open(glob.glob(str(work / "trace" / "**" / "*.trace.json.gz"), recursive=True)[0]))
     per_op: collections.Counter = collections.Counter()
@@ -107,6 +119,7 @@ def moe_step(n_experts: int, expert_parallel: bool):
     from bench_moe import D_MODEL, EP, make_block, train_step_fn
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
+
     from olmo_train_jax.expert_parallel import EXPERT_AXIS, expert_parallel_experts
     from olmo_train_jax.moe import local_experts
 
@@ -117,8 +130,10 @@ def moe_step(n_experts: int, expert_parallel: bool):
         return (lambda: jax.block_until_ready(grad(params, x))), f"MoE block, {n_experts} experts, 1 device"
     mesh = jax.make_mesh((EP,), (EXPERT_AXIS,), axis_types=(AxisType.Auto,))
     x = jax.device_put(x, NamedSharding(mesh, P(EXPERT_AXIS)))
-    placed = {name: jax.device_put(t, NamedSharding(mesh, P(EXPERT_AXIS) if name == "routed" else P()))
-              for name, t in params.items()}
+    placed = {
+        name: jax.device_put(t, NamedSharding(mesh, P(EXPERT_AXIS) if name == "routed" else P()))
+        for name, t in params.items()
+    }
     grad = train_step_fn(moe, "uniform", expert_parallel_experts(mesh))
     return (lambda: jax.block_until_ready(grad(placed, x))), f"MoE block, {n_experts} experts, expert={EP}"
 

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from olmo_model import FULL, SLIDING, get_preset, hf_config, reference
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
+from olmo_model import FULL, SLIDING, get_preset, hf_config, reference
 from olmo_train_jax import model_from_hf
 from olmo_train_jax.causal_attention import blocked_causal_attention, query_block
 from olmo_train_jax.model import _blocked_local_attention, _blocking_pays, attention, scan_period
@@ -194,8 +194,11 @@ def test_batch_loop_matches_the_batched_path(batch_loop):
             assert np.abs(a - b).max() <= 1e-6 * np.abs(b).max()
     assert np.abs(looped[0] - _reference(q, k, v, window, doc_ids)).max() <= 1e-6
     # And the loop really is a different program when D divides: a while loop over B / D rows.
-    hlo = jax.jit(lambda q: blocked_causal_attention(q, k, v, window, doc_ids, block, batch_loop=batch_loop)).lower(
-        q).as_text()
+    hlo = (
+        jax.jit(lambda q: blocked_causal_attention(q, k, v, window, doc_ids, block, batch_loop=batch_loop))
+        .lower(q)
+        .as_text()
+    )
     assert ("while" in hlo) == (6 % batch_loop == 0)
 
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from olmo_train_jax.model import attention
 
 ON_GPU = jax.default_backend() == "gpu"

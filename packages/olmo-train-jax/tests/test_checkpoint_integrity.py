@@ -22,13 +22,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from olmo_model.runlog import UNCHECKED_FORMAT, complete_checkpoints, read_metrics, read_verified_meta
 from olmo_train_jax.cli import main
 
 STEPS = 6
 ARGS = [
-    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", f"--train.steps={STEPS}",
-    "--train.precision=fp32", "--checkpoint.every=2", "--eval.every=1000", "--log.progress=false",
+    "--model=tiny",
+    "--train.sequence_length=64",
+    "--train.global_batch_tokens=512",
+    f"--train.steps={STEPS}",
+    "--train.precision=fp32",
+    "--checkpoint.every=2",
+    "--eval.every=1000",
+    "--log.progress=false",
 ]
 
 
@@ -41,8 +48,11 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def largest_array_file(checkpoint: Path) -> Path:
@@ -84,8 +94,11 @@ def refused(capsys, args: list[str], *needles: str) -> str:
 
 def test_meta_json_records_every_orbax_file(reference):
     meta = read_verified_meta(ckpt(reference, 6))
-    on_disk = {p.relative_to(ckpt(reference, 6)).as_posix(): p.stat().st_size
-               for p in ckpt(reference, 6).rglob("*") if p.is_file() and p.name != "meta.json"}
+    on_disk = {
+        p.relative_to(ckpt(reference, 6)).as_posix(): p.stat().st_size
+        for p in ckpt(reference, 6).rglob("*")
+        if p.is_file() and p.name != "meta.json"
+    }
     assert {rel: entry["bytes"] for rel, entry in meta["files"].items()} == on_disk
     assert "state/_METADATA" in on_disk and any("/d/" in rel for rel in on_disk)
 
@@ -102,8 +115,13 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_nothing_is_written(rest
         named = ckpt(restarted, 4) / "meta.json"
         named.write_text(named.read_text()[:-200])
     before = snapshot(restarted)
-    refused(capsys, [*ARGS, f"--run_dir={restarted}"], str(named), "damaged",
-            "--checkpoint.fallback=true resumes from step 2")
+    refused(
+        capsys,
+        [*ARGS, f"--run_dir={restarted}"],
+        str(named),
+        "damaged",
+        "--checkpoint.fallback=true resumes from step 2",
+    )
     assert snapshot(restarted) == before
 
 
@@ -112,7 +130,11 @@ def test_fallback_resumes_from_the_older_checkpoint_and_completes(reference, res
     # Orphans of interrupted saves and writes, removed at start-up.
     gone = subprocess.Popen(["true"])
     gone.wait()
-    orphans = [ckpt(restarted, 1), restarted / f".recipe.yaml.tmp-{gone.pid}", ckpt(restarted, 2) / f".meta.json.tmp-{gone.pid}"]
+    orphans = [
+        ckpt(restarted, 1),
+        restarted / f".recipe.yaml.tmp-{gone.pid}",
+        ckpt(restarted, 2) / f".meta.json.tmp-{gone.pid}",
+    ]
     (orphans[0] / "state").mkdir(parents=True)
     for p in orphans[1:]:
         p.write_text("partial")
@@ -147,6 +169,10 @@ def test_a_checkpoint_from_before_checksums_still_fails_in_one_line_when_damaged
 
 def test_a_changed_precision_is_refused(restarted, capsys):
     before = snapshot(restarted)
-    refused(capsys, [*ARGS, f"--run_dir={restarted}", "--train.precision=bf16"],
-            "train.precision from 'fp32' (checkpoint) to 'bf16'", "--checkpoint.allow_recipe_change=true")
+    refused(
+        capsys,
+        [*ARGS, f"--run_dir={restarted}", "--train.precision=bf16"],
+        "train.precision from 'fp32' (checkpoint) to 'bf16'",
+        "--checkpoint.allow_recipe_change=true",
+    )
     assert snapshot(restarted) == before

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from olmo_model import FULL, SLIDING, ModelSpec, get_preset, hf_config, hf_param_shapes, reference
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
+from olmo_model import FULL, SLIDING, ModelSpec, get_preset, hf_config, hf_param_shapes, reference
 from olmo_train_jax import CheckpointMismatchError, OlmoModel, build_model, load_hf, model_from_hf, to_hf
 from olmo_train_jax.model import REMAT_POLICIES
 
@@ -162,8 +162,9 @@ def test_init_statistics():
     again = to_hf(build_model(spec, seed=0), spec)
     other = to_hf(build_model(spec, seed=1), spec)
     assert all(np.array_equal(tensors[k], again[k]) for k in tensors)
-    assert not np.array_equal(tensors["model.layers.0.self_attn.q_proj.weight"],
-                              other["model.layers.0.self_attn.q_proj.weight"])
+    assert not np.array_equal(
+        tensors["model.layers.0.self_attn.q_proj.weight"], other["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_bf16_compute_close_to_fp32():
@@ -220,8 +221,7 @@ def test_remat_policies_change_what_is_saved_not_the_gradients():
     # No policy keeps float [.., S, S] attention probabilities: the blocked causal attention
     # saves its output and logsumexp and recomputes them in its backward.
     keeps_scores = {
-        remat: any(leaf.shape[-2:] == (seq, seq) and jnp.issubdtype(leaf.dtype, jnp.floating)
-                   for leaf in leaves)
+        remat: any(leaf.shape[-2:] == (seq, seq) and jnp.issubdtype(leaf.dtype, jnp.floating) for leaf in leaves)
         for remat, leaves in saved.items()
     }
     assert keeps_scores == {"none": False, "block": False, "save_dots": False}

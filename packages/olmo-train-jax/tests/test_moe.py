@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+
 from olmo_model import MoESpec, get_preset, reference
 from olmo_train_jax import model_from_hf, to_hf
 from olmo_train_jax.moe import (
-    tiled_swiglu,
     ExpertWeights,
     MoEStats,
     aux_loss,
@@ -25,6 +25,7 @@ from olmo_train_jax.moe import (
     moe_metrics,
     rank_load_max_over_mean,
     route,
+    tiled_swiglu,
     top_k_lowest_index_on_ties,
 )
 from olmo_train_torch.moe import MoE as TorchMoE
@@ -34,8 +35,15 @@ TINY_MOE = get_preset("tiny-moe")
 VARIANT = TINY_MOE.replace(
     n_layers=2,
     moe=MoESpec(
-        n_experts=8, top_k=3, expert_hidden=32, n_shared_experts=2, shared_expert_hidden=48,
-        gating="sigmoid", normalize_top_k=True, load_balancing_loss_weight=0.05, router_z_loss_weight=0.01,
+        n_experts=8,
+        top_k=3,
+        expert_hidden=32,
+        n_shared_experts=2,
+        shared_expert_hidden=48,
+        gating="sigmoid",
+        normalize_top_k=True,
+        load_balancing_loss_weight=0.05,
+        router_z_loss_weight=0.01,
     ),
 )
 IGNORE = -100
@@ -165,7 +173,7 @@ def test_variant_loss_and_gradients_match_reference_and_finite_differences():
 
 def _numpy_layer(spec, params, layer):
     pre = f"model.layers.{layer}.mlp."
-    return {k[len(pre):]: v for k, v in params.items() if k.startswith(pre)}
+    return {k[len(pre) :]: v for k, v in params.items() if k.startswith(pre)}
 
 
 def test_block_matches_torch_moe_block():
@@ -205,7 +213,8 @@ def test_block_matches_torch_moe_block():
 
 def _olmoe_spec(normalize: bool):
     return TINY_MOE.replace(
-        sliding_window=None, norm_placement="pre",
+        sliding_window=None,
+        norm_placement="pre",
         moe=TINY_MOE.moe.model_copy(update={"n_shared_experts": 0, "normalize_top_k": normalize}),
     )
 
@@ -214,8 +223,9 @@ def _olmoe_spec(normalize: bool):
 def test_logits_match_transformers_olmoe_for_causal_lm(normalize):
     """The whole pre-norm MoE model against transformers' OlmoeForCausalLM on the same weights
     (olmo_model.hf_moe.olmoe_state_dict), fp32, and against the float64 numpy reference."""
-    from olmo_model.hf_moe import olmoe_config, olmoe_state_dict
     from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    from olmo_model.hf_moe import olmoe_config, olmoe_state_dict
 
     spec = _olmoe_spec(normalize)
     params = reference.init_params(spec, seed=9)
@@ -234,9 +244,10 @@ def test_logits_match_transformers_olmoe_for_causal_lm(normalize):
 def test_block_matches_transformers_olmoe_sparse_moe_block(normalize):
     """transformers' OlmoeSparseMoeBlock (no shared expert, softmax router) on the same
     weights, converted by olmo_model.hf_moe."""
-    from olmo_model.hf_moe import olmoe_block_tensors, olmoe_config
     from transformers import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+    from olmo_model.hf_moe import olmoe_block_tensors, olmoe_config
 
     spec = _olmoe_spec(normalize)
     params = reference.init_params(spec, seed=11)
@@ -282,7 +293,7 @@ def test_random_routing_is_near_uniform_and_reproducible():
     n_tokens = 8192
     logits = jnp.zeros((n_tokens, moe.n_experts))
     key = jax.random.fold_in(jax.random.key(7), 3)
-    experts, weights, _ = jax.jit(lambda l, k: route(l, moe, "random", k))(logits, key)
+    experts, weights, _ = jax.jit(lambda scores, k: route(scores, moe, "random", k))(logits, key)
     counts = np.bincount(np.asarray(experts).ravel(), minlength=moe.n_experts)
     expected = n_tokens * moe.top_k / moe.n_experts  # 4096 per expert
     # A binomial count with p = 1/2 has sd sqrt(8192 / 4) ~ 45, so 5% (205) is > 4.5 sd.
@@ -326,9 +337,7 @@ def test_random_routing_in_the_model_depends_on_step_and_layer():
     spec = TINY_MOE
     model = model_from_hf(spec, reference.init_params(spec, seed=9))
     graphdef, state = nnx.split(model)
-    fwd = jax.jit(
-        lambda st, ids, key: nnx.merge(graphdef, st).forward_with_aux(ids, routing="random", routing_key=key)
-    )
+    fwd = jax.jit(lambda st, ids, key: nnx.merge(graphdef, st).forward_with_aux(ids, routing="random", routing_key=key))
     ids = _ids(spec, batch=2, seq=32)
     base = jax.random.key(0)
     a, _ = fwd(state, ids, jax.random.fold_in(base, 1))

@@ -30,6 +30,7 @@ def _measure() -> dict:
     from flax import nnx
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
+
     from olmo_model import get_preset, reference
     from olmo_train_jax import model_from_hf
     from olmo_train_jax.expert_parallel import (

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+
 from olmo_train_jax.moe import ExpertWeights, grouped_swiglu, mxfp8_quantize, row_sum
 from olmo_train_torch.moe import mxfp8_quantize as torch_mxfp8_quantize
 
@@ -85,10 +86,12 @@ def test_mxfp8_grouped_swiglu_close_to_fp32_with_straight_through_gradients():
     rng = np.random.default_rng(4)
     n_experts, d, hidden = 4, 64, 64
     xs = jnp.asarray(rng.standard_normal((96, d)), jnp.float32)
-    w = ExpertWeights(*(
-        jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32)
-        for s in ((n_experts, d, hidden), (n_experts, d, hidden), (n_experts, hidden, d))
-    ))
+    w = ExpertWeights(
+        *(
+            jnp.asarray(0.1 * rng.standard_normal(s), jnp.float32)
+            for s in ((n_experts, d, hidden), (n_experts, d, hidden), (n_experts, hidden, d))
+        )
+    )
     sizes = jnp.asarray([30, 0, 50, 16], jnp.int32)
     with jax.default_matmul_precision("highest"):
         ref = np.asarray(grouped_swiglu(xs, w, sizes))

@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from olmo_model import get_preset
 from olmo_model.runlog import TRAIN_KEYS, read_metrics
 from olmo_train_jax.cli import main
@@ -45,13 +46,22 @@ from test_train import run_subprocess, train_losses, write_mixture  # noqa: E402
 STEPS = 8
 MIN_SAME_ROUTING_STEPS = 2  # see the module docstring
 MOE_KEYS = (
-    "moe_tokens_per_expert", "moe_rank_load_max_over_mean", "moe_dropped_tokens", "moe_lb_loss", "moe_router_z_loss",
+    "moe_tokens_per_expert",
+    "moe_rank_load_max_over_mean",
+    "moe_dropped_tokens",
+    "moe_lb_loss",
+    "moe_router_z_loss",
 )
 # 16 sequences of 64 tokens per step, no accumulation on either layout, so each step's
 # micro-batch (over which the aux losses are taken) is the same 1024 tokens.
 MOE_BASE = [
-    "--model=tiny-moe", "--train.global_batch_tokens=1024", f"--train.steps={STEPS}", "--train.precision=fp32",
-    f"--checkpoint.every={STEPS}", f"--eval.every={STEPS}", "--log.progress=false",
+    "--model=tiny-moe",
+    "--train.global_batch_tokens=1024",
+    f"--train.steps={STEPS}",
+    "--train.precision=fp32",
+    f"--checkpoint.every={STEPS}",
+    f"--eval.every={STEPS}",
+    "--log.progress=false",
 ]
 
 
@@ -87,8 +97,14 @@ def test_moe_metrics_in_the_train_lines(one_device_run):
 def test_four_devices_match_one_device(mixture, one_device_run, tmp_path):
     run_dir = tmp_path / "moe-four"
     done = run_subprocess(
-        [*MOE_BASE, "--jax.mesh.data=1", "--jax.mesh.fsdp=2", "--jax.mesh.expert=2", f"--data.mixture={mixture}",
-         f"--run_dir={run_dir}"],
+        [
+            *MOE_BASE,
+            "--jax.mesh.data=1",
+            "--jax.mesh.fsdp=2",
+            "--jax.mesh.expert=2",
+            f"--data.mixture={mixture}",
+            f"--run_dir={run_dir}",
+        ],
         devices=4,
     )
     assert done.returncode == 0, done.stderr[-3000:]

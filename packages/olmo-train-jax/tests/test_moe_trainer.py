@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import jax
 import pytest
+
 from olmo_model import fp32_mean_tolerance, get_preset
 from olmo_model.recipe import RecipeError
 from olmo_model.runlog import complete_checkpoints, read_metrics
@@ -35,13 +36,26 @@ from test_train import run_subprocess, write_mixture  # noqa: E402
 STEPS = 20
 # 8 sequences of 64 tokens per step: 2 per device on 4 devices, no accumulation.
 BASE = [
-    "--model=tiny-moe", "--train.global_batch_tokens=512", "--train.precision=fp32", "--log.progress=false",
+    "--model=tiny-moe",
+    "--train.global_batch_tokens=512",
+    "--train.precision=fp32",
+    "--log.progress=false",
 ]
-UNIFORM = [*BASE, "--moe.routing=uniform", f"--train.steps={STEPS}", f"--checkpoint.every={STEPS}",
-           f"--eval.every={STEPS}"]
+UNIFORM = [
+    *BASE,
+    "--moe.routing=uniform",
+    f"--train.steps={STEPS}",
+    f"--checkpoint.every={STEPS}",
+    f"--eval.every={STEPS}",
+]
 RESUME_STEPS = 8
-RANDOM = [*BASE, "--moe.routing=random", f"--train.steps={RESUME_STEPS}", "--checkpoint.every=4",
-          f"--eval.every={RESUME_STEPS}"]
+RANDOM = [
+    *BASE,
+    "--moe.routing=random",
+    f"--train.steps={RESUME_STEPS}",
+    "--checkpoint.every=4",
+    f"--eval.every={RESUME_STEPS}",
+]
 
 
 def _train_records(run_dir: Path) -> dict[int, dict]:
@@ -74,7 +88,11 @@ def test_expert_parallel_uniform_routing_follows_one_device_for_20_steps(mixture
     balanced = [spec.n_layers * 512 * spec.moe.top_k // spec.moe.n_experts] * spec.moe.n_experts
     for s in range(1, STEPS + 1):
         # The layouts reorder the fp32 sum of the step's 512 token losses (test_train.loss_tolerance).
-        assert abs(a[s]["loss"] - b[s]["loss"]) <= fp32_mean_tolerance(a[s]["loss"], 512), (s, a[s]["loss"], b[s]["loss"])
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= fp32_mean_tolerance(a[s]["loss"], 512), (
+            s,
+            a[s]["loss"],
+            b[s]["loss"],
+        )
         assert a[s]["moe_tokens_per_expert"] == b[s]["moe_tokens_per_expert"] == balanced
         assert b[s]["moe_rank_load_max_over_mean"] == 1.0
         assert b[s]["moe_dropped_tokens"] == 0
@@ -130,8 +148,14 @@ def test_bad_expert_meshes_are_refused_in_one_line(mixture, tmp_path):
     # A dense spec with an expert axis, through the real entry point: exit 2, one line, nothing written.
     run_dir = tmp_path / "dense"
     done = run_subprocess(
-        ["--model=tiny", "--jax.mesh.data=2", "--jax.mesh.expert=2", "--train.steps=2",
-         f"--data.mixture={mixture}", f"--run_dir={run_dir}"],
+        [
+            "--model=tiny",
+            "--jax.mesh.data=2",
+            "--jax.mesh.expert=2",
+            "--train.steps=2",
+            f"--data.mixture={mixture}",
+            f"--run_dir={run_dir}",
+        ],
         devices=4,
     )
     assert done.returncode == 2

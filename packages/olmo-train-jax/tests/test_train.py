@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from olmo_data import MixtureLoader, load_mixture
 from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import load_recipe
@@ -27,8 +28,13 @@ from olmo_train_jax.cli import main
 STEPS = 20
 KILL_SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "support" / "kill_after_checkpoint.py"
 BASE = [
-    "--model=tiny", "--train.global_batch_tokens=1024", f"--train.steps={STEPS}", "--train.precision=fp32",
-    "--checkpoint.every=10", "--eval.every=10", "--log.progress=false",
+    "--model=tiny",
+    "--train.global_batch_tokens=1024",
+    f"--train.steps={STEPS}",
+    "--train.precision=fp32",
+    "--checkpoint.every=10",
+    "--eval.every=10",
+    "--log.progress=false",
 ]
 # 8 devices: data 4 x fsdp 2 (sharded weights and AdamW state), 2 sequences per device.
 EIGHT = ["--jax.mesh.data=4", "--jax.mesh.fsdp=2", "--train.micro_batch_size=2"]
@@ -87,7 +93,8 @@ def snapshot(folder: Path) -> dict[str, str]:
     """Every file under folder with the sha256 of its bytes."""
     return {
         str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*")) if p.is_file()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -260,6 +267,7 @@ def restored_state(run_dir: Path, ckpt: Path) -> tuple:
     """(params, AdamW state) of a checkpoint, restored onto one device."""
     import jax
     from flax import nnx
+
     from olmo_train_jax import sharding
     from olmo_train_jax.checkpoint import abstract_like, restore_state
     from olmo_train_jax.model import build_model
@@ -299,11 +307,12 @@ def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
     """init.checkpoint=hf:DIR loads the weights, and the logged step-1 loss equals CE + z-loss
     computed by transformers' Olmo3ForCausalLM on the loader's first global batch."""
     import torch
+    from safetensors.numpy import save_file
+    from transformers import Olmo3Config, Olmo3ForCausalLM
+
     from olmo_model import get_preset, hf_config
     from olmo_train_jax.hf_adapter import to_hf
     from olmo_train_jax.model import build_model
-    from safetensors.numpy import save_file
-    from transformers import Olmo3Config, Olmo3ForCausalLM
 
     spec = get_preset("tiny")
     tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in to_hf(build_model(spec, seed=5), spec).items()}
@@ -311,8 +320,18 @@ def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
     hf_dir.mkdir()
     save_file(tensors, hf_dir / "model.safetensors")
     run_dir = tmp_path / "from-hf"
-    assert main([*BASE, "--train.steps=1", f"--init.checkpoint=hf:{hf_dir}", f"--data.mixture={mixture}",
-                 f"--run_dir={run_dir}"]) == 0
+    assert (
+        main(
+            [
+                *BASE,
+                "--train.steps=1",
+                f"--init.checkpoint=hf:{hf_dir}",
+                f"--data.mixture={mixture}",
+                f"--run_dir={run_dir}",
+            ]
+        )
+        == 0
+    )
 
     reference = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).double().eval()
     reference.load_state_dict({k: torch.from_numpy(v).double() for k, v in tensors.items()}, strict=True)
@@ -335,8 +354,20 @@ def test_init_from_our_checkpoint_takes_its_weights_and_moments(mixture, one_dev
     step 10; the AdamW step count continues from that run's 10."""
     run_dir = tmp_path / "stage2"
     ckpt = one_device_run / "checkpoints" / "step_00000010"
-    assert main([*BASE, "--train.steps=1", "--optim.lr=1e-12", f"--init.checkpoint={ckpt}",
-                 "--init.load_optimizer=true", f"--data.mixture={mixture}", f"--run_dir={run_dir}"]) == 0
+    assert (
+        main(
+            [
+                *BASE,
+                "--train.steps=1",
+                "--optim.lr=1e-12",
+                f"--init.checkpoint={ckpt}",
+                "--init.load_optimizer=true",
+                f"--data.mixture={mixture}",
+                f"--run_dir={run_dir}",
+            ]
+        )
+        == 0
+    )
     evals = {r["step"]: r["eval"]["held"]["loss"] for r in read_metrics(one_device_run) if r["kind"] == "eval"}
     stage2 = [r["eval"]["held"]["loss"] for r in read_metrics(run_dir) if r["kind"] == "eval"]
     assert stage2 == [pytest.approx(evals[10], abs=1e-6)]
@@ -352,8 +383,14 @@ def test_lr_1e6_stops_non_zero_and_keeps_only_finite_checkpoints(mixture, tmp_pa
     import jax
 
     run_dir = tmp_path / "diverged"
-    args = [*BASE, "--optim.lr=1e6", "--checkpoint.every=1", "--checkpoint.keep=2", f"--data.mixture={mixture}",
-            f"--run_dir={run_dir}"]
+    args = [
+        *BASE,
+        "--optim.lr=1e6",
+        "--checkpoint.every=1",
+        "--checkpoint.keep=2",
+        f"--data.mixture={mixture}",
+        f"--run_dir={run_dir}",
+    ]
     capsys.readouterr()
     assert main(args) == 3
     err = capsys.readouterr().err.strip()
@@ -400,8 +437,13 @@ def test_allowed_leakage_is_recorded_with_the_held_out_figures(mixture, tmp_path
     (leaky / "held.bin").write_bytes((leaky / "train_a.bin").read_bytes()[:6_000])
     tokens = np.fromfile(leaky / "held.bin", np.uint16)
     tokens[: np.flatnonzero(tokens == 0)[-1] + 1].tofile(leaky / "held.bin")  # whole documents only
-    args = [*BASE, "--train.steps=2", "--eval.every=2", f"--data.mixture={leaky / 'mixture.yaml'}",
-            f"--run_dir={tmp_path / 'run'}"]
+    args = [
+        *BASE,
+        "--train.steps=2",
+        "--eval.every=2",
+        f"--data.mixture={leaky / 'mixture.yaml'}",
+        f"--run_dir={tmp_path / 'run'}",
+    ]
     capsys.readouterr()
     assert main(args) == 2
     assert "held_out 'held'" in capsys.readouterr().err

@@ -19,6 +19,7 @@ import pytest
 import torch
 from flax import nnx
 from jax.sharding import PartitionSpec as P
+
 from olmo_model import get_preset
 from olmo_model.recipe import RecipeError, load_recipe
 from olmo_train_jax import sharding
@@ -214,7 +215,9 @@ def test_fused_step_with_accumulation_matches_numpy_adamw():
 
     reference_grad = jax.jit(jax.value_and_grad(reference_loss))
     # Accumulation 2 on one device: micro-batch a takes rows [2a, 2a + 2).
-    batch = {k: jnp.asarray(v.reshape(2, 2, 16)) for k, v in (("input_ids", ids), ("labels", labels), ("doc_ids", docs))}
+    batch = {
+        k: jnp.asarray(v.reshape(2, 2, 16)) for k, v in (("input_ids", ids), ("labels", labels), ("doc_ids", docs))
+    }
     start = _flat(params)
     lrs, grads_seen = [3e-3, 1e-2, 5e-3], []
     cur, opt_state = params, jax.jit(tx.init)(params)
@@ -246,7 +249,9 @@ def test_decay_mask_follows_recipe():
     params = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: build_model(spec)))[1])
     default = _flat(decay_mask(params, load_recipe(None, [])))
     assert not default["embed"] and default["lm_head"] and default["layers/q_proj"] and default["final_norm"]
-    no_norms = _flat(decay_mask(params, load_recipe(None, ["--optim.decay_norms=false", "--optim.decay_embeddings=true"])))
+    no_norms = _flat(
+        decay_mask(params, load_recipe(None, ["--optim.decay_norms=false", "--optim.decay_embeddings=true"]))
+    )
     assert no_norms["embed"] and not no_norms["final_norm"] and not no_norms["layers/q_norm"]
     assert no_norms["layers/down_proj"]
 
@@ -273,8 +278,9 @@ def test_partition_specs_by_hand():
     assert sharding.param_partition_spec(("layers", "v_proj"), (4, 64, 32), spec, odd) == P(None, None, None)
     assert sharding.param_partition_spec(("layers", "q_proj"), (4, 64, 64), spec, odd) == P(None, None, "tensor")
     assert sharding.param_partition_spec(("layers", "up_proj"), (4, 64, 192), spec, odd) == P(None, None, "tensor")
-    assert sharding.param_partition_spec(("embed",), (4096, 64), spec, SimpleNamespace(
-        shape={"data": 1, "fsdp": 3, "tensor": 1})) == P(None, None)
+    assert sharding.param_partition_spec(
+        ("embed",), (4096, 64), spec, SimpleNamespace(shape={"data": 1, "fsdp": 3, "tensor": 1})
+    ) == P(None, None)
 
 
 def test_micro_batches_keep_each_device_rows_local():

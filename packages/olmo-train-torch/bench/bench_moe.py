@@ -34,11 +34,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.console import Console
+from rich.table import Table
+
 from olmo_model import MoESpec
 from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients, sum_gradients
 from olmo_train_torch.moe import MoE, configure_moe, grouped_matmul, moe_aux_losses
-from rich.console import Console
-from rich.table import Table
 
 D_MODEL, HIDDEN, TOP_K = 128, 64, 4
 EP = 4
@@ -76,6 +77,7 @@ def best_times(fns: dict, repeats: int) -> dict:
 
 # ---- part 1 ------------------------------------------------------------------------------------
 
+
 def scaling(tokens: int, repeats: int) -> list[dict]:
     x = torch.randn(tokens, D_MODEL)
     blocks = {}
@@ -84,12 +86,11 @@ def scaling(tokens: int, repeats: int) -> list[dict]:
             blocks[n_experts, gemm] = make_block(n_experts)
             blocks[n_experts, gemm].experts.gemm = gemm
     best = best_times({key: (lambda b=b: step(b, x)) for key, b in blocks.items()}, repeats)
-    return [
-        {"experts": e, "gemm": g, "seconds": t, "tokens_per_s": tokens / t} for (e, g), t in best.items()
-    ]
+    return [{"experts": e, "gemm": g, "seconds": t, "tokens_per_s": tokens / t} for (e, g), t in best.items()]
 
 
 # ---- part 2 ------------------------------------------------------------------------------------
+
 
 class _GatherWeights(torch.autograd.Function):
     """Forward: all-gather the expert shards into full weights; backward: sum the full
@@ -120,10 +121,12 @@ class AllGatherExperts(torch.nn.Module):
         n = experts.n_experts // world
         self.group = group
         self.gemm = experts.gemm
-        self.shards = torch.nn.ParameterDict({
-            name: torch.nn.Parameter(getattr(experts, name).detach()[rank * n : (rank + 1) * n].clone())
-            for name in ("gate_proj", "up_proj", "down_proj")
-        })
+        self.shards = torch.nn.ParameterDict(
+            {
+                name: torch.nn.Parameter(getattr(experts, name).detach()[rank * n : (rank + 1) * n].clone())
+                for name in ("gate_proj", "up_proj", "down_proj")
+            }
+        )
 
     def forward(self, xs: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
         full = {name: _GatherWeights.apply(p, self.group) for name, p in self.shards.items()}
@@ -188,7 +191,9 @@ def dispatch_vs_allgather(tokens: int, repeats: int) -> list[dict]:
     blocks = {n: make_block(n) for n in (8, 64)}
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    mp.start_processes(_worker, args=(port, tokens, repeats, blocks, queue), nprocs=EP, join=False, start_method="fork").join()
+    mp.start_processes(
+        _worker, args=(port, tokens, repeats, blocks, queue), nprocs=EP, join=False, start_method="fork"
+    ).join()
     return queue.get()
 
 
@@ -202,29 +207,52 @@ def main() -> None:
     console.print(f"load average before the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
     rows = scaling(args.tokens, args.repeats)
-    table = Table(title=f"MoE block fwd+bwd, 1 process, 1 thread, fp32, {args.tokens} tokens, d {D_MODEL}, top-{TOP_K}, hidden {HIDDEN}")
+    table = Table(
+        title=f"MoE block fwd+bwd, 1 process, 1 thread, fp32, {args.tokens} tokens, d {D_MODEL}, top-{TOP_K}, hidden {HIDDEN}"
+    )
     for col in ("experts", "gemm", "ms/step", "tokens/s", "vs 8 experts"):
         table.add_column(col, justify="right")
     base = {r["gemm"]: r["tokens_per_s"] for r in rows if r["experts"] == 8}
     for r in rows:
-        table.add_row(str(r["experts"]), r["gemm"], f"{r['seconds'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
-                      f"{r['tokens_per_s'] / base[r['gemm']]:.2f}")
+        table.add_row(
+            str(r["experts"]),
+            r["gemm"],
+            f"{r['seconds'] * 1e3:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['tokens_per_s'] / base[r['gemm']]:.2f}",
+        )
     console.print(table)
 
     rows = dispatch_vs_allgather(args.tokens, args.repeats)
-    table = Table(title=f"{EP} gloo ranks (1 thread each), {args.tokens} tokens/rank, uniform routing, fp32; "
-                        "ms/step of the slowest rank")
-    for col in ("experts", "ep ms/step", "ep tokens/s/rank", "ep MB sent/rank/step", "allgather ms/step",
-                "allgather tokens/s/rank", "allgather MB sent/rank/step", "time allgather/ep", "bytes allgather/ep"):
+    table = Table(
+        title=f"{EP} gloo ranks (1 thread each), {args.tokens} tokens/rank, uniform routing, fp32; "
+        "ms/step of the slowest rank"
+    )
+    for col in (
+        "experts",
+        "ep ms/step",
+        "ep tokens/s/rank",
+        "ep MB sent/rank/step",
+        "allgather ms/step",
+        "allgather tokens/s/rank",
+        "allgather MB sent/rank/step",
+        "time allgather/ep",
+        "bytes allgather/ep",
+    ):
         table.add_column(col, justify="right")
     by = {(r["experts"], r["mode"]): r for r in rows}
     for n_experts in sorted({r["experts"] for r in rows}):
         ep, ag = by[n_experts, "ep"], by[n_experts, "allgather"]
         table.add_row(
             str(n_experts),
-            f"{ep['seconds'] * 1e3:.1f}", f"{args.tokens / ep['seconds']:,.0f}", f"{ep['bytes'] / 1e6:.2f}",
-            f"{ag['seconds'] * 1e3:.1f}", f"{args.tokens / ag['seconds']:,.0f}", f"{ag['bytes'] / 1e6:.2f}",
-            f"{ag['seconds'] / ep['seconds']:.2f}", f"{ag['bytes'] / ep['bytes']:.2f}",
+            f"{ep['seconds'] * 1e3:.1f}",
+            f"{args.tokens / ep['seconds']:,.0f}",
+            f"{ep['bytes'] / 1e6:.2f}",
+            f"{ag['seconds'] * 1e3:.1f}",
+            f"{args.tokens / ag['seconds']:,.0f}",
+            f"{ag['bytes'] / 1e6:.2f}",
+            f"{ag['seconds'] / ep['seconds']:.2f}",
+            f"{ag['bytes'] / ep['bytes']:.2f}",
         )
     console.print(table)
     console.print(f"load average after the run: {os.getloadavg()[0]:.1f}")

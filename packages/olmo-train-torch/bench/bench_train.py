@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from olmo_model import flops_per_token, get_preset, hf_config, param_counts
 from olmo_model.recipe import batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard
@@ -71,8 +72,16 @@ def _time_steps(step, batches) -> tuple[float, list[float]]:
 
 
 def bench_ours(spec, batches, compile_blocks: bool):
-    recipe = load_recipe(None, ["--model=olmo3-30m", "--train.precision=fp32", "--optim.lr=1e-4",
-                                f"--torch.compile={str(compile_blocks).lower()}", "--torch.parallel=none"])
+    recipe = load_recipe(
+        None,
+        [
+            "--model=olmo3-30m",
+            "--train.precision=fp32",
+            "--optim.lr=1e-4",
+            f"--torch.compile={str(compile_blocks).lower()}",
+            "--torch.parallel=none",
+        ],
+    )
     one = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
     model = build_model(spec, seed=0)
     # The trainer's own path: blocks compiled by parallelize, head + loss fused (head_loss.py).
@@ -124,9 +133,26 @@ def bench_olmo_core(spec, batches, modes: list[str]) -> dict | str:
         # The same tokens our contenders train on: inputs plus the last label column.
         np.save(batch_file, np.stack([np.concatenate([b["input_ids"], b["labels"][:, -1:]], axis=1) for b in batches]))
         for mode in modes:
-            cmd = [uv, "run", "--isolated", "--no-project", "--python", "3.11", "--with", "ai2-olmo-core", "python",
-                   str(OLMO_CORE_PEER), "--spec", str(spec_file), "--param-total", str(param_counts(spec).total),
-                   "--batches", str(batch_file), "--modes", mode]
+            cmd = [
+                uv,
+                "run",
+                "--isolated",
+                "--no-project",
+                "--python",
+                "3.11",
+                "--with",
+                "ai2-olmo-core",
+                "python",
+                str(OLMO_CORE_PEER),
+                "--spec",
+                str(spec_file),
+                "--param-total",
+                str(param_counts(spec).total),
+                "--batches",
+                str(batch_file),
+                "--modes",
+                mode,
+            ]
             env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             lines = proc.stdout.strip().splitlines()
@@ -144,8 +170,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contender (after one warm-up)")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--olmo-core-modes", nargs="*", choices=("eager", "compile"), default=["eager", "compile"],
-                        help="OLMo-core contenders (none: skip OLMo-core)")
+    parser.add_argument(
+        "--olmo-core-modes",
+        nargs="*",
+        choices=("eager", "compile"),
+        default=["eager", "compile"],
+        help="OLMo-core contenders (none: skip OLMo-core)",
+    )
     args = parser.parse_args()
     spec = get_preset("olmo3-30m")
     batches = _batches(spec.vocab_size, args.steps + 1)
@@ -156,13 +187,19 @@ def main() -> None:
     rows["olmo-train-torch eager"] = (first_eager, eager)
     rows["olmo-train-torch compile"] = bench_ours(spec, batches, compile_blocks=True)
     rows["transformers Olmo3ForCausalLM"] = bench_transformers(spec, batches)
-    peer = bench_olmo_core(spec, batches, args.olmo_core_modes) if args.olmo_core_modes else "not measured (--olmo-core-modes)"
+    peer = (
+        bench_olmo_core(spec, batches, args.olmo_core_modes)
+        if args.olmo_core_modes
+        else "not measured (--olmo-core-modes)"
+    )
     if isinstance(peer, dict):
         for mode, r in peer["modes"].items():
             rows[f"OLMo-core {mode}"] = (r["first_step_s"], r["step_times"])
-        olmo_core_note = (f"OLMo-core {peer['olmo_core']} on torch {peer['torch']} ({peer['threads']} threads), "
-                          f"model {next(iter(peer['modes'].values()))['config']}, "
-                          f"{param_counts(spec).total:,} parameters (= olmo_model.param_counts)")
+        olmo_core_note = (
+            f"OLMo-core {peer['olmo_core']} on torch {peer['torch']} ({peer['threads']} threads), "
+            f"model {next(iter(peer['modes'].values()))['config']}, "
+            f"{param_counts(spec).total:,} parameters (= olmo_model.param_counts)"
+        )
     else:
         olmo_core_note = f"OLMo-core: {peer}"
 
@@ -171,17 +208,29 @@ def main() -> None:
         step = statistics.median(times)
         tps = BATCH * SEQ / step
         results[name] = {
-            "step_s": step, "first_step_s": first, "tokens_per_second": tps, "mfu": fpt * tps / peak,
+            "step_s": step,
+            "first_step_s": first,
+            "tokens_per_second": tps,
+            "mfu": fpt * tps / peak,
         }
-    results["olmo-train-torch compile"]["compile_s"] = results["olmo-train-torch compile"]["first_step_s"] - statistics.median(eager)
+    results["olmo-train-torch compile"]["compile_s"] = results["olmo-train-torch compile"][
+        "first_step_s"
+    ] - statistics.median(eager)
     peers = [n for n in results if not n.startswith("olmo-train-torch")]
     best_peer = max(peers, key=lambda n: results[n]["tokens_per_second"])
     for r in results.values():
         r["vs_best_peer"] = r["tokens_per_second"] / results[best_peer]["tokens_per_second"]
     meta = {
-        "shape": "olmo3-30m", "seq": SEQ, "batch": BATCH, "precision": "fp32", "window": spec.sliding_window,
-        "threads": torch.get_num_threads(), "peak_gflops": peak / 1e9, "torch": torch.__version__,
-        "olmo_core": olmo_core_note, "best_peer": best_peer,
+        "shape": "olmo3-30m",
+        "seq": SEQ,
+        "batch": BATCH,
+        "precision": "fp32",
+        "window": spec.sliding_window,
+        "threads": torch.get_num_threads(),
+        "peak_gflops": peak / 1e9,
+        "torch": torch.__version__,
+        "olmo_core": olmo_core_note,
+        "best_peer": best_peer,
     }
     if args.json:
         print(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -189,18 +238,28 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"train step, olmo3-30m, seq {SEQ}, batch {BATCH}, fp32, {meta['threads']} CPU threads, "
-                        f"peak {peak / 1e9:.1f} GFLOP/s (measured torch fp32 matmul)")
+    table = Table(
+        title=f"train step, olmo3-30m, seq {SEQ}, batch {BATCH}, fp32, {meta['threads']} CPU threads, "
+        f"peak {peak / 1e9:.1f} GFLOP/s (measured torch fp32 matmul)"
+    )
     for col in ("contender", "torch", "step s", "tokens/s", "CPU-MFU", "vs best peer", "first step s"):
         table.add_column(col, justify="right" if col != "contender" else "left")
     for name, r in results.items():
         version = peer["torch"] if name.startswith("OLMo-core") else torch.__version__
-        table.add_row(name, version, f"{r['step_s']:.2f}", f"{r['tokens_per_second']:,.0f}", f"{r['mfu']:.1%}",
-                      f"{r['vs_best_peer']:.2f}x", f"{r['first_step_s']:.1f}")
+        table.add_row(
+            name,
+            version,
+            f"{r['step_s']:.2f}",
+            f"{r['tokens_per_second']:,.0f}",
+            f"{r['mfu']:.1%}",
+            f"{r['vs_best_peer']:.2f}x",
+            f"{r['first_step_s']:.1f}",
+        )
     Console(width=160).print(table)
     print(f"best peer: {best_peer}")
     print(f"compile time (first compiled step - eager step): {results['olmo-train-torch compile']['compile_s']:.1f} s")
     print(olmo_core_note)
+
 
 if __name__ == "__main__":
     main()

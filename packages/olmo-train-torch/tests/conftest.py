@@ -69,7 +69,10 @@ def mixture(tmp_path_factory) -> Path:
 
 
 def run_trainer(
-    args: list[str], nproc: int = 1, env: dict[str, str] | None = None, timeout: float = 300,
+    args: list[str],
+    nproc: int = 1,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
     kill_after: int | None = None,
 ):
     """Run olmo-train-torch; nproc > 1 goes through torchrun (gloo, CPU). With ``kill_after``
@@ -81,7 +84,14 @@ def run_trainer(
         cmd = [sys.executable, *entry, *args]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone", *entry, *args,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--standalone",
+            *entry,
+            *args,
         ]
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
@@ -105,13 +115,20 @@ def assert_resumed_bitwise(run_dir: Path, reference: Path, keys: tuple[str, ...]
 def common_args(mixture: Path, run_dir: Path, *extra: str) -> list[str]:
     """20 steps, a checkpoint at 10 and 20, held-out evaluation at the end only."""
     return [
-        f"--data.mixture={mixture}", f"--run_dir={run_dir}", "--train.steps=20", "--checkpoint.every=10",
-        "--eval.every=1000", *BASE_ARGS, *extra,
+        f"--data.mixture={mixture}",
+        f"--run_dir={run_dir}",
+        "--train.steps=20",
+        "--checkpoint.every=10",
+        "--eval.every=1000",
+        *BASE_ARGS,
+        *extra,
     ]
 
 
 def check_ok(result) -> None:
-    assert result.returncode == 0, f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"trainer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -23,13 +23,20 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from olmo_model.runlog import UNCHECKED_FORMAT, complete_checkpoints, read_metrics, read_verified_meta
 from olmo_train_torch.cli import main
 
 STEPS = 6
 ARGS = [
-    "--model=tiny", "--train.sequence_length=64", "--train.global_batch_tokens=512", f"--train.steps={STEPS}",
-    "--train.precision=fp32", "--checkpoint.every=2", "--eval.every=1000", "--log.progress=false",
+    "--model=tiny",
+    "--train.sequence_length=64",
+    "--train.global_batch_tokens=512",
+    f"--train.steps={STEPS}",
+    "--train.precision=fp32",
+    "--checkpoint.every=2",
+    "--eval.every=1000",
+    "--log.progress=false",
 ]
 # The fixture (one_torch_thread) lives in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,8 +51,11 @@ def losses(run: Path) -> dict[int, float]:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def flip_bytes(path: Path, n: int = 8) -> None:
@@ -87,10 +97,13 @@ def test_meta_json_records_every_dcp_file(reference):
     assert meta["files"]["__0_0.distcp"]["bytes"] == (ckpt(reference, 6) / "__0_0.distcp").stat().st_size
 
 
-@pytest.mark.parametrize("damage", ["flipped .distcp bytes", "missing .distcp", "missing .metadata", "unreadable meta.json"])
+@pytest.mark.parametrize(
+    "damage", ["flipped .distcp bytes", "missing .distcp", "missing .metadata", "unreadable meta.json"]
+)
 def test_a_damaged_checkpoint_is_refused_in_one_line_and_nothing_is_written(restarted, capsys, damage):
     named = ckpt(restarted, 4) / {"missing .metadata": ".metadata", "unreadable meta.json": "meta.json"}.get(
-        damage, "__0_0.distcp")
+        damage, "__0_0.distcp"
+    )
     if damage == "flipped .distcp bytes":
         flip_bytes(named)
     elif damage == "unreadable meta.json":
@@ -98,8 +111,13 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_and_nothing_is_written(rest
     else:
         named.unlink()
     before = snapshot(restarted)
-    refused(capsys, [*ARGS, f"--run_dir={restarted}"], str(named), "damaged",
-            "--checkpoint.fallback=true resumes from step 2")
+    refused(
+        capsys,
+        [*ARGS, f"--run_dir={restarted}"],
+        str(named),
+        "damaged",
+        "--checkpoint.fallback=true resumes from step 2",
+    )
     assert snapshot(restarted) == before
 
 
@@ -108,7 +126,11 @@ def test_fallback_resumes_from_the_older_checkpoint_and_completes(reference, res
     # Orphans of interrupted saves and writes, removed at start-up.
     gone = subprocess.Popen(["true"])
     gone.wait()
-    orphans = [ckpt(restarted, 1), restarted / f".spec.json.tmp-{gone.pid}", ckpt(restarted, 2) / f".meta.json.tmp-{gone.pid}"]
+    orphans = [
+        ckpt(restarted, 1),
+        restarted / f".spec.json.tmp-{gone.pid}",
+        ckpt(restarted, 2) / f".meta.json.tmp-{gone.pid}",
+    ]
     orphans[0].mkdir()
     (orphans[0] / "__0_0.distcp").write_bytes(b"half a save")
     for p in orphans[1:]:
@@ -144,6 +166,10 @@ def test_a_checkpoint_from_before_checksums_still_fails_in_one_line_when_damaged
 
 def test_a_changed_precision_is_refused(restarted, capsys):
     before = snapshot(restarted)
-    refused(capsys, [*ARGS, f"--run_dir={restarted}", "--train.precision=bf16"],
-            "train.precision from 'fp32' (checkpoint) to 'bf16'", "--checkpoint.allow_recipe_change=true")
+    refused(
+        capsys,
+        [*ARGS, f"--run_dir={restarted}", "--train.precision=bf16"],
+        "train.precision from 'fp32' (checkpoint) to 'bf16'",
+        "--checkpoint.allow_recipe_change=true",
+    )
     assert snapshot(restarted) == before

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from transformers import Olmo3Config, Olmo3ForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
 from olmo_model import get_preset, hf_config, reference
 from olmo_train_torch import CheckpointMismatchError, build_model, load_hf, model_from_hf, to_hf
 from olmo_train_torch.model import rope_inv_freq
-from transformers import Olmo3Config, Olmo3ForCausalLM
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 transformers.logging.set_verbosity_error()  # tiny-yarn's factor != max_pos/original warns; intended
 
@@ -244,8 +245,7 @@ def _put(name, shape):
     [
         (
             _drop("model.layers.2.self_attn.k_norm.weight"),
-            "model.safetensors: missing tensor 'model.layers.2.self_attn.k_norm.weight' "
-            "(expected shape (64,))",
+            "model.safetensors: missing tensor 'model.layers.2.self_attn.k_norm.weight' (expected shape (64,))",
         ),
         (
             _put("model.layers.4.mlp.up_proj.weight", (192, 64)),
@@ -253,8 +253,7 @@ def _put(name, shape):
         ),
         (
             _put("model.layers.1.mlp.down_proj.weight", (192, 64)),
-            "model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' has shape (192, 64), "
-            "expected (64, 192)",
+            "model.safetensors: tensor 'model.layers.1.mlp.down_proj.weight' has shape (192, 64), expected (64, 192)",
         ),
         (
             _put("lm_head.weight", (4224, 64)),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from olmo_model import MoESpec, SpecError, get_preset, param_counts, reference
 from olmo_model.hf_moe import block_tensors_from_olmoe, olmoe_block_tensors, olmoe_config, spec_from_olmoe_config
 from olmo_train_torch.hf_adapter import CheckpointMismatchError, load_hf, model_from_hf, to_hf
@@ -44,9 +45,15 @@ def one_thread():
 def _variant(name: str):
     spec = get_preset("tiny-moe")
     if name == "sigmoid-norm-partial":
-        moe = spec.moe.model_copy(update=dict(
-            gating="sigmoid", normalize_top_k=True, layers=(1, 3), n_shared_experts=2, shared_expert_hidden=32,
-        ))
+        moe = spec.moe.model_copy(
+            update=dict(
+                gating="sigmoid",
+                normalize_top_k=True,
+                layers=(1, 3),
+                n_shared_experts=2,
+                shared_expert_hidden=32,
+            )
+        )
         spec = spec.replace(moe=moe.model_dump())
     return spec
 
@@ -106,7 +113,9 @@ def _dense_block64(x, gate, wg, wu, wd, shared, moe: MoESpec):
     out = sum(combine[:, e : e + 1] * ((F.silu(x @ wg[e].T) * (x @ wu[e].T)) @ wd[e].T) for e in range(moe.n_experts))
     for sg, su, sd in shared:
         out = out + (F.silu(x @ sg.T) * (x @ su.T)) @ sd.T
-    counts = torch.zeros(moe.n_experts, dtype=x.dtype).scatter_add(0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=x.dtype))
+    counts = torch.zeros(moe.n_experts, dtype=x.dtype).scatter_add(
+        0, chosen.reshape(-1), torch.ones(chosen.numel(), dtype=x.dtype)
+    )
     lb = moe.n_experts * (counts / chosen.numel() * probs.mean(0)).sum()
     z = (torch.logsumexp(logits, -1) ** 2).mean()
     return out, lb, z
@@ -130,10 +139,22 @@ def test_block_gradients_match_dense_float64(gemm):
 
     leaves = {name: p.detach().double().clone().requires_grad_() for name, p in block.named_parameters()}
     x64 = x.double().requires_grad_()
-    shared = [(leaves["shared_experts.0.gate_proj.weight"], leaves["shared_experts.0.up_proj.weight"],
-               leaves["shared_experts.0.down_proj.weight"])]
-    out64, lb64, z64 = _dense_block64(x64, leaves["gate.weight"], leaves["experts.gate_proj"],
-                                      leaves["experts.up_proj"], leaves["experts.down_proj"], shared, moe)
+    shared = [
+        (
+            leaves["shared_experts.0.gate_proj.weight"],
+            leaves["shared_experts.0.up_proj.weight"],
+            leaves["shared_experts.0.down_proj.weight"],
+        )
+    ]
+    out64, lb64, z64 = _dense_block64(
+        x64,
+        leaves["gate.weight"],
+        leaves["experts.gate_proj"],
+        leaves["experts.up_proj"],
+        leaves["experts.down_proj"],
+        shared,
+        moe,
+    )
     ((out64 * upstream.double()).sum() + 0.5 * lb64 + 0.25 * z64).backward()
 
     np.testing.assert_allclose(out.detach().numpy(), out64.detach().numpy(), atol=2e-5, rtol=0)
@@ -158,11 +179,17 @@ def test_model_gradients_match_finite_differences_of_numpy_reference():
         ("model.layers.0.mlp.gate.weight", (2, 5), "blocks.0.mlp.gate.weight", (2, 5)),
         ("model.layers.1.mlp.experts.3.gate_proj.weight", (7, 11), "blocks.1.mlp.experts.gate_proj", (3, 7, 11)),
         ("model.layers.2.mlp.experts.6.down_proj.weight", (4, 9), "blocks.2.mlp.experts.down_proj", (6, 4, 9)),
-        ("model.layers.3.mlp.shared_experts.0.up_proj.weight", (1, 2), "blocks.3.mlp.shared_experts.0.up_proj.weight", (1, 2)),
+        (
+            "model.layers.3.mlp.shared_experts.0.up_proj.weight",
+            (1, 2),
+            "blocks.3.mlp.shared_experts.0.up_proj.weight",
+            (1, 2),
+        ),
         ("model.layers.0.self_attn.q_proj.weight", (10, 3), "blocks.0.attn.q_proj.weight", (10, 3)),
     ]
     h = 1e-4
     for hf_name, hf_idx, ours, our_idx in probes:
+
         def total(delta: float) -> float:
             p = {k: v.astype(np.float64) for k, v in params.items()}
             p[hf_name] = p[hf_name].copy()
@@ -171,7 +198,9 @@ def test_model_gradients_match_finite_differences_of_numpy_reference():
 
         fd = (total(h) - total(-h)) / (2 * h)
         got = float(state[ours].grad[our_idx])
-        assert abs(got - fd) <= 2e-4 * abs(fd) + 2e-6, f"{hf_name}{hf_idx}: autograd {got:.6e} vs finite difference {fd:.6e}"
+        assert abs(got - fd) <= 2e-4 * abs(fd) + 2e-6, (
+            f"{hf_name}{hf_idx}: autograd {got:.6e} vs finite difference {fd:.6e}"
+        )
 
 
 def test_hf_adapter_maps_per_expert_names_to_stacked_slices():
@@ -179,7 +208,9 @@ def test_hf_adapter_maps_per_expert_names_to_stacked_slices():
     params = reference.init_params(spec, seed=0)
     model = model_from_hf(spec, params)
     state = model.state_dict()
-    np.testing.assert_array_equal(state["blocks.2.mlp.experts.up_proj"][5].numpy(), params["model.layers.2.mlp.experts.5.up_proj.weight"])
+    np.testing.assert_array_equal(
+        state["blocks.2.mlp.experts.up_proj"][5].numpy(), params["model.layers.2.mlp.experts.5.up_proj.weight"]
+    )
     np.testing.assert_array_equal(state["blocks.2.mlp.gate.weight"].numpy(), params["model.layers.2.mlp.gate.weight"])
     back = to_hf(model, spec)
     assert list(back) == list(params)
@@ -203,6 +234,7 @@ def test_dense_spec_returns_no_moe_stats():
 
 
 # ---- routing modes and load metrics ------------------------------------------------------------
+
 
 def _block(n_experts=16, top_k=4, seed=0) -> MoE:
     torch.manual_seed(seed)
@@ -281,8 +313,13 @@ def test_imbalanced_router_shows_in_rank_load_while_nothing_is_dropped():
     assert metrics["moe_lb_loss"] > 3.0
     # Dropless: the sorted path equals the dense float64 block on every token.
     dense, _, _ = _dense_block64(
-        x.double(), block.gate.weight.double(), block.experts.gate_proj.double(), block.experts.up_proj.double(),
-        block.experts.down_proj.double(), [], block.spec,
+        x.double(),
+        block.gate.weight.double(),
+        block.experts.gate_proj.double(),
+        block.experts.up_proj.double(),
+        block.experts.down_proj.double(),
+        [],
+        block.spec,
     )
     np.testing.assert_allclose(out.detach().numpy(), dense.detach().numpy(), atol=1e-5, rtol=0)
 
@@ -296,6 +333,7 @@ def test_bad_knobs_fail_with_clear_messages():
 
 
 # ---- grouped GEMM and MXFP8 --------------------------------------------------------------------
+
 
 def test_grouped_matmul_backends_agree_with_per_group_matmuls_including_empty_groups():
     torch.manual_seed(1)
@@ -362,6 +400,7 @@ def test_mxfp8_experts_stay_close_to_fp32_and_pass_gradients_through():
 
 # ---- OLMoE interop --------------------------------------------------------------------------
 
+
 def _olmoe_spec(normalize: bool):
     spec = get_preset("tiny-moe").replace(sliding_window=None, norm_placement="pre")
     moe = spec.moe.model_copy(update=dict(n_shared_experts=0, normalize_top_k=normalize))
@@ -372,8 +411,9 @@ def _olmoe_spec(normalize: bool):
 def test_logits_match_transformers_olmoe_for_causal_lm(normalize):
     """A whole pre-norm MoE model against transformers' OlmoeForCausalLM on the same weights
     (olmo_model.hf_moe.olmoe_state_dict), and against the float64 numpy reference (fp32)."""
-    from olmo_model.hf_moe import olmoe_state_dict, tensors_from_olmoe
     from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    from olmo_model.hf_moe import olmoe_state_dict, tensors_from_olmoe
 
     spec = _olmoe_spec(normalize)
     params = reference.init_params(spec, seed=7)
@@ -429,18 +469,40 @@ def test_olmoe_config_round_trip_and_refusals():
     with pytest.raises(SpecError, match="sliding-window layers cannot be expressed"):
         olmoe_config(get_preset("tiny-moe").replace(moe=spec.moe.model_dump(), norm_placement="pre"))
     with pytest.raises(SpecError, match="'experts.down_proj' has shape"):
-        block_tensors_from_olmoe({"gate.weight": np.zeros((8, 64)), "experts.gate_up_proj": np.zeros((8, 128, 64)),
-                                  "experts.down_proj": np.zeros((8, 64, 32))}, spec, 0)
+        block_tensors_from_olmoe(
+            {
+                "gate.weight": np.zeros((8, 64)),
+                "experts.gate_up_proj": np.zeros((8, 128, 64)),
+                "experts.down_proj": np.zeros((8, 64, 32)),
+            },
+            spec,
+            0,
+        )
 
 
 def test_spec_from_the_hub_olmoe_1b_7b_config_has_its_published_sizes():
     # allenai/OLMoE-1B-7B-0924's config.json fields (the hub's, typed in here).
     cfg = dict(
-        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
-        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, clip_qkv=None, norm_topk_prob=False,
-        router_aux_loss_coef=0.01, pad_token_id=1, eos_token_id=50279, bos_token_id=None,
-        tie_word_embeddings=False, hidden_act="silu",
+        model_type="olmoe",
+        vocab_size=50304,
+        hidden_size=2048,
+        intermediate_size=1024,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        num_experts=64,
+        num_experts_per_tok=8,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        clip_qkv=None,
+        norm_topk_prob=False,
+        router_aux_loss_coef=0.01,
+        pad_token_id=1,
+        eos_token_id=50279,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        hidden_act="silu",
     )
     spec = spec_from_olmoe_config(cfg)
     assert (spec.moe.n_experts, spec.moe.top_k, spec.moe.expert_hidden, spec.rope_theta) == (64, 8, 1024, 10000.0)

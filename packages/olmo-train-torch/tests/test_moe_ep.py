@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
 from olmo_model import MoESpec, get_preset
 from olmo_train_torch.expert_parallel import (
     apply_expert_parallel,
@@ -63,6 +64,7 @@ def _init(rank: int, port: int) -> None:
 
 
 # ---- the block ---------------------------------------------------------------------------------
+
 
 def _block_case(imbalanced: bool) -> dict:
     """A 16-expert block, its inputs, and the one-process reference (outputs, aux, grads)."""
@@ -135,6 +137,7 @@ def test_expert_parallel_block_matches_one_process():
 
 # ---- 20 training steps -------------------------------------------------------------------------
 
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Two batches in turn, seen ten times each: a 2-layer model memorises them quickly, so
     # the curve moves (by more than 0.5 nats) and routing changes along the way.
@@ -143,9 +146,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:])
 
 
-def _train(
-    model, group, rank: int, world: int, wrapped=None, steps: int = STEPS, expert_dp_group=None
-) -> list[float]:
+def _train(model, group, rank: int, world: int, wrapped=None, steps: int = STEPS, expert_dp_group=None) -> list[float]:
     """AdamW steps on this rank's rows of each global batch; returns the global losses.
 
     Without ``wrapped``: each rank's loss is its share of the global loss and gradients are
@@ -211,7 +212,9 @@ def _wrapped_worker(rank: int, port: int, model, one_losses: list[float]) -> Non
         replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         replica = copy.deepcopy(model)
         apply_expert_parallel(replica, ep_groups[rank // 2])
-        losses = _train(replica, dist.group.WORLD, rank, EP, steps=WRAPPED_STEPS, expert_dp_group=replica_groups[rank % 2])
+        losses = _train(
+            replica, dist.group.WORLD, rank, EP, steps=WRAPPED_STEPS, expert_dp_group=replica_groups[rank % 2]
+        )
         diffs = np.abs(np.array(losses) - np.array(one_losses))
         assert diffs.max() < 1e-5, f"EP=2 x 2 replicas departs from EP=1 by {diffs.max():.2e}"
         for mode in ("ddp", "fsdp"):

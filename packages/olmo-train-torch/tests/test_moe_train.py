@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from olmo_data import MixtureLoader
 from olmo_model import reference
 from olmo_model.recipe import batch_layout, load_recipe
@@ -42,15 +43,26 @@ def _batch(rows: int = 4, seq: int = 48, seed: int = 0) -> dict[str, np.ndarray]
 
 @pytest.mark.parametrize("micro_batch", [4, 2])
 def test_train_step_loss_matches_numpy_reference_per_micro_batch(micro_batch):
-    recipe = load_recipe(None, ["--model=tiny-moe", "--train.precision=fp32", f"--train.micro_batch_size={micro_batch}"])
+    recipe = load_recipe(
+        None, ["--model=tiny-moe", "--train.precision=fp32", f"--train.micro_batch_size={micro_batch}"]
+    )
     spec = recipe.model_spec()
     model = build_model(spec, seed=1)
     params = {k: v.numpy().copy() for k, v in to_hf(model, spec).items()}
     f64 = copy.deepcopy(model).double()
     batch = _batch()
     layout = batch_layout(4, 1, micro_batch)
-    stats = train_step(model, make_optimizer(model, recipe, ONE.device), batch, layout=layout, d=ONE, spec=spec,
-                       recipe=recipe, lr=1e-3, guard=SpikeGuard())
+    stats = train_step(
+        model,
+        make_optimizer(model, recipe, ONE.device),
+        batch,
+        layout=layout,
+        d=ONE,
+        spec=spec,
+        recipe=recipe,
+        lr=1e-3,
+        guard=SpikeGuard(),
+    )
 
     # CE and z over the whole batch; the aux losses over each micro-batch (the unit whose
     # routing the load-balancing loss judges), averaged over micro-batches.
@@ -60,7 +72,12 @@ def test_train_step_loss_matches_numpy_reference_per_micro_batch(micro_batch):
     aux = [reference.forward_with_aux(spec, params, ids[r : r + micro_batch])[1] for r in range(0, 4, micro_batch)]
     lb = float(np.mean([a["load_balancing_loss"] for a in aux]))
     rz = float(np.mean([a["router_z_loss"] for a in aux]))
-    want = full["ce"] + spec.z_loss_weight * full["z_loss"] + moe.load_balancing_loss_weight * lb + moe.router_z_loss_weight * rz
+    want = (
+        full["ce"]
+        + spec.z_loss_weight * full["z_loss"]
+        + moe.load_balancing_loss_weight * lb
+        + moe.router_z_loss_weight * rz
+    )
     assert abs(stats.loss - want) < 1e-5
     assert abs(stats.moe["moe_lb_loss"] - lb) < 1e-5 and abs(stats.moe["moe_router_z_loss"] - rz) < 1e-5
     assert sum(stats.moe["moe_tokens_per_expert"]) == spec.n_layers * ids.size * moe.top_k
@@ -77,9 +94,13 @@ def test_train_step_loss_matches_numpy_reference_per_micro_batch(micro_batch):
         lse = torch.logsumexp(flat, -1)[lab != -100]
         ce = F.cross_entropy(flat, lab, ignore_index=-100, reduction="sum") / n
         a = moe_aux_losses(moe_stats)
-        total = total + ce + spec.z_loss_weight * (lse**2).sum() / n + (
-            moe.load_balancing_loss_weight * a.load_balancing + moe.router_z_loss_weight * a.router_z
-        ) * (micro_batch / 4)
+        total = (
+            total
+            + ce
+            + spec.z_loss_weight * (lse**2).sum() / n
+            + (moe.load_balancing_loss_weight * a.load_balancing + moe.router_z_loss_weight * a.router_z)
+            * (micro_batch / 4)
+        )
     total.backward()
     norm = float(torch.sqrt(sum((p.grad**2).sum() for p in f64.parameters())))
     assert abs(stats.grad_norm - norm) < 1e-4 * norm
@@ -116,15 +137,27 @@ def test_activation_checkpointing_is_bitwise_and_bf16_autocast_is_close():
     without it; bf16 autocast (router kept in fp32) stays within bf16 rounding of fp32."""
     batch = _batch()
     results = {}
-    for name, extra in (("plain", []), ("checkpointed", ["--torch.activation_checkpointing=true"]),
-                        ("bf16", ["--train.precision=bf16"])):
+    for name, extra in (
+        ("plain", []),
+        ("checkpointed", ["--torch.activation_checkpointing=true"]),
+        ("bf16", ["--train.precision=bf16"]),
+    ):
         recipe = load_recipe(None, ["--model=tiny-moe", "--train.precision=fp32", "--torch.parallel=none", *extra])
         spec = recipe.model_spec()
         model = parallelize(build_model(spec, seed=0), None, recipe.torch, recipe.train.precision, ONE.device)
         optimizer = make_optimizer(model, recipe, ONE.device)
         results[name] = [
-            train_step(model, optimizer, batch, layout=batch_layout(4, 1, 2), d=ONE, spec=spec, recipe=recipe,
-                       lr=1e-3, guard=SpikeGuard())
+            train_step(
+                model,
+                optimizer,
+                batch,
+                layout=batch_layout(4, 1, 2),
+                d=ONE,
+                spec=spec,
+                recipe=recipe,
+                lr=1e-3,
+                guard=SpikeGuard(),
+            )
             for _ in range(2)
         ]
     for plain, checkpointed, bf16 in zip(results["plain"], results["checkpointed"], results["bf16"]):

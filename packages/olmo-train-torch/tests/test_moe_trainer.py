@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import RecipeError, batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard, complete_checkpoints
@@ -41,6 +42,7 @@ def _args(harness, mixture, run_dir, *extra: str) -> list[str]:
 
 
 # ---- the entry point -----------------------------------------------------------------------------
+
 
 def test_ep4_follows_ep1_for_20_steps_and_drops_nothing(harness, mixture, tmp_path):
     """lr 5e-4 (peak): 1 and 4 data-parallel ranks sum gradients in different orders, and
@@ -116,13 +118,17 @@ def test_ep2_checkpoint_resumes_on_one_process_with_experts_resharded(harness, m
     [
         (4, ["--torch.expert_parallel=3"], ["torch.expert_parallel=3", "does not divide the 4 ranks"]),
         # 12 sequences over 6 ranks; 3 divides the ranks, not the 8 experts.
-        (6, ["--torch.expert_parallel=3", f"--train.global_batch_tokens={12 * 64}"],
-         ["torch.expert_parallel=3", "moe.n_experts=8"]),
+        (
+            6,
+            ["--torch.expert_parallel=3", f"--train.global_batch_tokens={12 * 64}"],
+            ["torch.expert_parallel=3", "moe.n_experts=8"],
+        ),
         (2, ["--torch.expert_parallel=2", "--model=tiny"], ["torch.expert_parallel=2", "no moe section"]),
     ],
 )
-def test_bad_expert_parallel_layout_stops_before_writing(harness, mixture, tmp_path, capsys, monkeypatch, world,
-                                                         extra, expected):
+def test_bad_expert_parallel_layout_stops_before_writing(
+    harness, mixture, tmp_path, capsys, monkeypatch, world, extra, expected
+):
     # torchrun's environment for rank 0: the layout is refused before joining any group.
     for key, value in {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
@@ -156,17 +162,41 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 def _step(routing: str, d: Distributed, parallel: str, ep: int, *extra: str) -> dict:
-    recipe = load_recipe(None, [*MOE, "--train.precision=fp32", f"--moe.routing={routing}",
-                                f"--torch.parallel={parallel}", f"--torch.expert_parallel={ep}", *extra])
+    recipe = load_recipe(
+        None,
+        [
+            *MOE,
+            "--train.precision=fp32",
+            f"--moe.routing={routing}",
+            f"--torch.parallel={parallel}",
+            f"--torch.expert_parallel={ep}",
+            *extra,
+        ],
+    )
     spec = recipe.model_spec()
-    model = prepare_model(build_model(spec, seed=3), recipe, d, build_mesh(d, recipe.torch),
-                          build_expert_mesh(d, recipe.torch))
+    model = prepare_model(
+        build_model(spec, seed=3), recipe, d, build_mesh(d, recipe.torch), build_expert_mesh(d, recipe.torch)
+    )
     per = ROWS // d.world_size
     batch = {k: v[d.rank * per : (d.rank + 1) * per] for k, v in _batch().items()}
-    stats = train_step(model, make_optimizer(model, recipe, d.device), batch, layout=batch_layout(ROWS, d.world_size),
-                       d=d, spec=spec, recipe=recipe, lr=1e-3, guard=SpikeGuard(), step=7)
-    return {"counts": stats.moe["moe_tokens_per_expert"], "loss": stats.loss, "grad_norm": stats.grad_norm,
-            "dropped": stats.moe["moe_dropped_tokens"]}
+    stats = train_step(
+        model,
+        make_optimizer(model, recipe, d.device),
+        batch,
+        layout=batch_layout(ROWS, d.world_size),
+        d=d,
+        spec=spec,
+        recipe=recipe,
+        lr=1e-3,
+        guard=SpikeGuard(),
+        step=7,
+    )
+    return {
+        "counts": stats.moe["moe_tokens_per_expert"],
+        "loss": stats.loss,
+        "grad_norm": stats.grad_norm,
+        "dropped": stats.moe["moe_dropped_tokens"],
+    }
 
 
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
@@ -177,8 +207,10 @@ def test_recipe_moe_knobs_reach_the_blocks():
     model = prepare_model(build_model(recipe.model_spec(), seed=0), recipe, ONE, None, None)
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     assert len(blocks) == LAYERS
-    assert all(b.routing == "random" and b.routing_seed == recipe.train.seed and not b.gate.weight.requires_grad
-               for b in blocks)
+    assert all(
+        b.routing == "random" and b.routing_seed == recipe.train.seed and not b.gate.weight.requires_grad
+        for b in blocks
+    )
     assert all(m.mxfp8 for m in model.modules() if isinstance(m, GroupedExperts))
     # MXFP8 rounds the expert GEMM operands to 3 mantissa bits: the loss moves, a little.
     plain, mx = _step("learned", ONE, "none", 1)["loss"], _step("learned", ONE, "none", 1, "--moe.mxfp8=true")["loss"]
@@ -191,7 +223,7 @@ def _worker(rank: int, port: int, want: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     d = Distributed(rank=rank, world_size=4, local_rank=rank, device=torch.device("cpu"), initialized=True)
     try:
-        for (routing, parallel, ep) in (("uniform", "fsdp", 4), ("random", "ddp", 2)):
+        for routing, parallel, ep in (("uniform", "fsdp", 4), ("random", "ddp", 2)):
             got = _step(routing, d, parallel, ep)
             one = want[routing]
             assert got["counts"] == one["counts"], (routing, parallel, ep, got["counts"], one["counts"])

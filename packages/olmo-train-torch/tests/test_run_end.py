@@ -9,14 +9,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from olmo_model.runlog import complete_checkpoints, read_meta
 
 
 def _divergent_args(harness, mixture, run_dir: Path) -> list[str]:
     # lr 1e6 blows the weights up within a few steps; a checkpoint every step, two kept: the
     # run the issue saw prune every good checkpoint and keep NaN ones.
-    return harness.args(mixture, run_dir, "--optim.lr=1e6", "--checkpoint.every=1", "--checkpoint.keep=2",
-                        "--checkpoint.async_save=false")
+    return harness.args(
+        mixture,
+        run_dir,
+        "--optim.lr=1e6",
+        "--checkpoint.every=1",
+        "--checkpoint.keep=2",
+        "--checkpoint.async_save=false",
+    )
 
 
 def _finite_checkpoint(ckpt: Path) -> bool:

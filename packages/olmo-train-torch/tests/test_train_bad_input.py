@@ -8,13 +8,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from olmo_train_torch.cli import main
 
 
 def _snapshot(root: Path) -> dict[str, str]:
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() + str(p.stat().st_mtime_ns)
-        for p in sorted(root.rglob("*")) if p.is_file()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -42,14 +44,21 @@ def finished_copy(one_process_run, tmp_path) -> Path:
 
 def test_checkpoint_of_another_spec(harness, mixture, finished_copy, capsys):
     before = _snapshot(finished_copy)
-    harness.refused(capsys, harness.args(mixture, finished_copy, "--model=tiny-gqa", "--train.steps=30"), "n_kv_heads", "step_00000020")
+    harness.refused(
+        capsys,
+        harness.args(mixture, finished_copy, "--model=tiny-gqa", "--train.steps=30"),
+        "n_kv_heads",
+        "step_00000020",
+    )
     assert _snapshot(finished_copy) == before
 
 
 def test_changed_mixture_on_resume(harness, finished_copy, tmp_path, capsys):
     other = harness.make_mixture(tmp_path / "other-data", seed=99)  # same layout, other tokens
     before = _snapshot(finished_copy)
-    harness.refused(capsys, harness.args(other, finished_copy, "--train.steps=30"), "fingerprint", "allow_fingerprint_mismatch")
+    harness.refused(
+        capsys, harness.args(other, finished_copy, "--train.steps=30"), "fingerprint", "allow_fingerprint_mismatch"
+    )
     assert _snapshot(finished_copy) == before
 
 

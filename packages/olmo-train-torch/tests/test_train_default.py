@@ -12,10 +12,15 @@ from olmo_model.runlog import TRAIN_KEYS
 def test_default_job_loss_falls_short_version(harness, tmp_path):
     run_dir = tmp_path / "default"
     # The default recipe with fewer, shorter sequences so the test fits on a shared CPU.
-    result = harness.run([
-        f"--run_dir={run_dir}", "--train.steps=20", "--train.sequence_length=128",
-        "--train.global_batch_tokens=1024", "--log.progress=false",
-    ])
+    result = harness.run(
+        [
+            f"--run_dir={run_dir}",
+            "--train.steps=20",
+            "--train.sequence_length=128",
+            "--train.global_batch_tokens=1024",
+            "--log.progress=false",
+        ]
+    )
     harness.check_ok(result)
     lines = harness.train_lines(run_dir)
     losses = [r["loss"] for r in lines]

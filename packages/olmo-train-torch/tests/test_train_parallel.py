@@ -28,9 +28,7 @@ def test_four_processes_match_one_then_resume_on_two(harness, mixture, one_proce
     elastic = tmp_path / "elastic"
     shutil.copytree(four, elastic)
     shutil.rmtree(checkpoint_dir(elastic, 20))
-    result = harness.run(
-        harness.args(mixture, elastic, "--torch.parallel=ddp", "--train.micro_batch_size=4"), nproc=2
-    )
+    result = harness.run(harness.args(mixture, elastic, "--torch.parallel=ddp", "--train.micro_batch_size=4"), nproc=2)
     harness.check_ok(result)
     assert "global batch 16 = 4 per device x 2 data-parallel x 2 accumulation" in result.stdout
     assert "written with global batch 16 = 4 per device x 4 data-parallel x 1 accumulation" in result.stdout
@@ -45,11 +43,19 @@ def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(harness, mixture, o
     """FSDP2 mixed precision (bf16 params/compute, fp32 reduce and master weights) with
     per-block activation checkpointing stays near the fp32 curve."""
     run_dir = tmp_path / "bf16"
-    harness.check_ok(harness.run(
-        harness.args(mixture, run_dir, "--train.precision=bf16", "--torch.activation_checkpointing=true",
-                     "--train.steps=20", "--checkpoint.every=20"),
-        nproc=2,
-    ))
+    harness.check_ok(
+        harness.run(
+            harness.args(
+                mixture,
+                run_dir,
+                "--train.precision=bf16",
+                "--torch.activation_checkpointing=true",
+                "--train.steps=20",
+                "--checkpoint.every=20",
+            ),
+            nproc=2,
+        )
+    )
     fp32 = harness.train_lines(one_process_run)
     bf16 = harness.train_lines(run_dir)
     diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(fp32, bf16)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 from olmo_model.runlog import complete_checkpoints
 
 
-
 def _assert_resumed_bitwise(harness, reference, resumed_dir):
     ref = {r["step"]: r for r in harness.train_lines(reference)}
     got = harness.train_lines(resumed_dir)

@@ -11,18 +11,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from olmo_model.recipe import batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard
 from olmo_train_torch import build_model
-from olmo_train_torch.parallelize import Distributed
 from olmo_train_torch.head_loss import head_loss_sums
+from olmo_train_torch.parallelize import Distributed
 from olmo_train_torch.train import make_optimizer, train_step
 
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
 
 
 def _recipe(*extra: str):
-    return load_recipe(None, ["--model=tiny", "--train.precision=fp32", "--optim.lr=1e-3", "--optim.grad_clip=0.5", *extra])
+    return load_recipe(
+        None, ["--model=tiny", "--train.precision=fp32", "--optim.lr=1e-3", "--optim.grad_clip=0.5", *extra]
+    )
 
 
 def _batch(rows: int = 4, seq: int = 48, seed: int = 0) -> dict[str, np.ndarray]:
@@ -98,7 +101,12 @@ def _reference_steps(model, batches, recipe, spec):
         logits = model(ids, docs).double()
         valid = labels != -100
         n = valid.sum()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum") / n
+        ce = (
+            F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+            / n
+        )
         z = (torch.logsumexp(logits, -1)[valid] ** 2).sum() / n
         loss = ce + spec.z_loss_weight * z
         model.zero_grad()

@@ -83,19 +83,30 @@ def summarize(times: list[float], first: list[float], tokens: int, fpt: float, l
     step = statistics.median(times)
     tps = tokens / step
     return {
-        "step_s": step, "step_min_s": min(times), "step_max_s": max(times), "warmup_s": first,
-        "tokens_per_s_per_device": tps, "model_tflops": fpt * tps / 1e12,
-        "mfu_datasheet": fpt * tps / DATASHEET_BF16, "losses": losses,
+        "step_s": step,
+        "step_min_s": min(times),
+        "step_max_s": max(times),
+        "warmup_s": first,
+        "tokens_per_s_per_device": tps,
+        "model_tflops": fpt * tps / 1e12,
+        "mfu_datasheet": fpt * tps / DATASHEET_BF16,
+        "losses": losses,
     }
 
 
 # ---- env -------------------------------------------------------------------------------------
 
+
 def cmd_env(args) -> None:
     import torch
 
-    out = {"name": "env", "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-           "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    out = {
+        "name": "env",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+    }
     try:
         import jax
 
@@ -131,11 +142,13 @@ def cmd_env(args) -> None:
 
 # ---- olmo-train-torch ------------------------------------------------------------------------
 
+
 def cmd_torch(args) -> None:
     # A 1-rank process group, as `torchrun --nproc_per_node 1` gives: the trainer's GPU path (FSDP2).
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     import torch
+
     from olmo_model import flops_per_token, get_preset
     from olmo_model.recipe import batch_layout, load_recipe
     from olmo_model.runlog import SpikeGuard
@@ -144,11 +157,17 @@ def cmd_torch(args) -> None:
     from olmo_train_torch.train import make_optimizer, prepare_model, train_step
 
     spec = get_preset(args.preset)
-    recipe = load_recipe(None, [
-        f"--model={args.preset}", "--train.precision=bf16", "--optim.lr=1e-4", "--torch.parallel=fsdp",
-        f"--torch.compile={str(args.compile).lower()}",
-        f"--torch.activation_checkpointing={str(args.ac).lower()}",
-    ])
+    recipe = load_recipe(
+        None,
+        [
+            f"--model={args.preset}",
+            "--train.precision=bf16",
+            "--optim.lr=1e-4",
+            "--torch.parallel=fsdp",
+            f"--torch.compile={str(args.compile).lower()}",
+            f"--torch.activation_checkpointing={str(args.ac).lower()}",
+        ],
+    )
     d = init_distributed("auto")
     mesh = build_mesh(d, recipe.torch)
     torch.manual_seed(0)
@@ -165,9 +184,11 @@ def cmd_torch(args) -> None:
 
     first, times, losses = _run_steps(step, data, args.warmup, args.max_seconds)
     res = summarize(times, first, args.batch * args.seq, flops_per_token(spec, args.seq), losses)
-    res.update(name=f"olmo-train-torch fsdp{' compile' if args.compile else ' eager'}{' ac' if args.ac else ''}",
-               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
-               torch=torch.__version__)
+    res.update(
+        name=f"olmo-train-torch fsdp{' compile' if args.compile else ' eager'}{' ac' if args.ac else ''}",
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
+        torch=torch.__version__,
+    )
     emit(res)
 
 
@@ -193,26 +214,33 @@ def _run_steps(step, data: np.ndarray, warmup: int, max_seconds: float | None):
 
 # ---- olmo-train-jax --------------------------------------------------------------------------
 
+
 def cmd_jax(args) -> None:
     import jax
     import jax.numpy as jnp
+
     from olmo_model import flops_per_token, get_preset
     from olmo_model.recipe import load_recipe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step
 
     spec = get_preset(args.preset)
-    recipe = load_recipe(None, [f"--train.precision={args.precision}", f"--jax.remat={args.remat}",
-                                f"--jax.attention={args.attention}"])
+    recipe = load_recipe(
+        None, [f"--train.precision={args.precision}", f"--jax.remat={args.remat}", f"--jax.attention={args.attention}"]
+    )
     dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
-    fns, carry = placed_step(build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention),
-                             spec, recipe)
+    fns, carry = placed_step(
+        build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention), spec, recipe
+    )
     data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
     lr = np.float32(1e-4)
 
     def step(tokens: np.ndarray) -> float:
-        b = {"input_ids": tokens[None, :, :-1], "labels": tokens[None, :, 1:],
-             "doc_ids": np.zeros_like(tokens[None, :, 1:])}
+        b = {
+            "input_ids": tokens[None, :, :-1],
+            "labels": tokens[None, :, 1:],
+            "doc_ids": np.zeros_like(tokens[None, :, 1:]),
+        }
         b = {k: jnp.asarray(v) for k, v in b.items()}
         carry[0], carry[1], stats = fns.fused(carry[0], carry[1], b, lr)
         return float(stats["loss"])
@@ -220,13 +248,17 @@ def cmd_jax(args) -> None:
     first, times, losses = _run_steps(step, data, args.warmup, args.max_seconds)
     res = summarize(times, first, args.batch * args.seq, flops_per_token(spec, args.seq), losses)
     mem = jax.devices()[0].memory_stats() or {}
-    res.update(name=f"olmo-train-jax attention={args.attention} remat={args.remat}"
-               + ("" if args.precision == "bf16" else f" {args.precision}"), jax=jax.__version__,
-               peak_mem_gib=mem.get("peak_bytes_in_use", 0) / 2**30)
+    res.update(
+        name=f"olmo-train-jax attention={args.attention} remat={args.remat}"
+        + ("" if args.precision == "bf16" else f" {args.precision}"),
+        jax=jax.__version__,
+        peak_mem_gib=mem.get("peak_bytes_in_use", 0) / 2**30,
+    )
     emit(res)
 
 
 # ---- OLMo-core -------------------------------------------------------------------------------
+
 
 def run_olmo_core(args, tmp: Path, timeout: float) -> dict:
     from olmo_model import flops_per_token, get_preset, param_counts
@@ -235,9 +267,24 @@ def run_olmo_core(args, tmp: Path, timeout: float) -> dict:
     spec_file, batch_file = tmp / "spec.json", tmp / "batches.npy"
     spec_file.write_text(spec.model_dump_json())
     np.save(batch_file, token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq))
-    cmd = [sys.executable, str(PEER), "--spec", str(spec_file), "--param-total", str(param_counts(spec).total),
-           "--batches", str(batch_file), "--modes", "compile", "--device", "cuda" if _cuda() else "cpu", "--precision", "bf16",
-           "--max-seconds", str(args.max_seconds)]
+    cmd = [
+        sys.executable,
+        str(PEER),
+        "--spec",
+        str(spec_file),
+        "--param-total",
+        str(param_counts(spec).total),
+        "--batches",
+        str(batch_file),
+        "--modes",
+        "compile",
+        "--device",
+        "cuda" if _cuda() else "cpu",
+        "--precision",
+        "bf16",
+        "--max-seconds",
+        str(args.max_seconds),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     (tmp / "olmo_core.log").write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -248,14 +295,22 @@ def run_olmo_core(args, tmp: Path, timeout: float) -> dict:
     r = peer["modes"]["compile"]
     warm = args.warmup - 1  # train_peer times its first step apart; the next warm-up ones are in step_times
     times = r["step_times"][warm:]
-    res = summarize(times, [r["first_step_s"], *r["step_times"][:warm]], args.batch * args.seq,
-                    flops_per_token(spec, args.seq), [])
-    res.update(name="OLMo-core compile", olmo_core=peer["olmo_core"], torch=peer["torch"], config=r["config"],
-               peak_mem_gib=r.get("peak_memory_gib"), stopped_early=r.get("stopped_early"))
+    res = summarize(
+        times, [r["first_step_s"], *r["step_times"][:warm]], args.batch * args.seq, flops_per_token(spec, args.seq), []
+    )
+    res.update(
+        name="OLMo-core compile",
+        olmo_core=peer["olmo_core"],
+        torch=peer["torch"],
+        config=r["config"],
+        peak_mem_gib=r.get("peak_memory_gib"),
+        stopped_early=r.get("stopped_early"),
+    )
     return res
 
 
 # ---- the trainers' CLIs end to end ---------------------------------------------------------
+
 
 def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
     """One trainer's CLI on the embedded sample mixture (loader, held-out eval, checkpoint,
@@ -264,12 +319,27 @@ def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
     import tempfile
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"cli_{framework}_"))
-    common = [f"--model={args.cli_preset}", f"--train.steps={args.cli_steps}", "--checkpoint.every=1000",
-              "--eval.every=1000", "--log.progress=false", f"--run_dir={run_dir}"]
+    common = [
+        f"--model={args.cli_preset}",
+        f"--train.steps={args.cli_steps}",
+        "--checkpoint.every=1000",
+        "--eval.every=1000",
+        "--log.progress=false",
+        f"--run_dir={run_dir}",
+    ]
     if framework == "torch":
         # torchrun with one process: the trainer's GPU path (NCCL group, FSDP2, bf16 params).
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-               "-m", "olmo_train_torch", *common, "--torch.compile=true"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "olmo_train_torch",
+            *common,
+            "--torch.compile=true",
+        ]
     else:
         cmd = [sys.executable, "-m", "olmo_train_jax", *common, "--jax.remat=save_dots"]
     with open(logs / f"cli-{framework}.log", "w") as f:
@@ -286,15 +356,23 @@ def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
     evals = [ln for ln in lines if ln["kind"] == "eval"]
     steady = train[3:] or train
     return {
-        "name": name, "cli": True, "steps": len(train), "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"],
+        "name": name,
+        "cli": True,
+        "steps": len(train),
+        "first_loss": train[0]["loss"],
+        "last_loss": train[-1]["loss"],
         "tokens_per_s_per_device": statistics.median(ln["tokens_per_second_per_device"] for ln in steady),
-        "mfu": statistics.median(ln["mfu"] for ln in steady), "mfu_peak": train[-1].get("mfu_peak"),
+        "mfu": statistics.median(ln["mfu"] for ln in steady),
+        "mfu_peak": train[-1].get("mfu_peak"),
         "eval": evals[-1]["eval"] if evals else None,
-        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if (run_dir / "checkpoints").exists() else [],
+        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        if (run_dir / "checkpoints").exists()
+        else [],
     }
 
 
 # ---- MoE block scaling -----------------------------------------------------------------------
+
 
 def moe_flops_per_token(d: int, hidden: int, top_k: int, shared_hidden: int, n_experts: int) -> float:
     """fwd + bwd matmul FLOPs of one MoE block per token: 3 SwiGLU matmuls for each of the top-k
@@ -304,6 +382,7 @@ def moe_flops_per_token(d: int, hidden: int, top_k: int, shared_hidden: int, n_e
 
 def cmd_moe_torch(args) -> None:
     import torch
+
     from olmo_model import MoESpec
     from olmo_train_torch.moe import MoE, moe_aux_losses
 
@@ -313,8 +392,9 @@ def cmd_moe_torch(args) -> None:
     for routing in args.routing:
         for e in args.experts:
             torch.manual_seed(0)
-            block = MoE(MoESpec(n_experts=e, top_k=4, expert_hidden=args.hidden, n_shared_experts=1),
-                        args.d_model, 0).to(device)
+            block = MoE(
+                MoESpec(n_experts=e, top_k=4, expert_hidden=args.hidden, n_shared_experts=1), args.d_model, 0
+            ).to(device)
             with torch.no_grad():
                 for p in block.parameters():
                     p.normal_(0, 0.02)
@@ -335,6 +415,7 @@ def cmd_moe_jax(args) -> None:
 
     import jax
     import jax.numpy as jnp
+
     from olmo_model import MoESpec
     from olmo_train_jax.moe import ExpertWeights, gemm_backend, local_experts, moe_block
 
@@ -351,20 +432,31 @@ def cmd_moe_jax(args) -> None:
                 def w(i, *shape, keys=keys):
                     return (0.02 * jax.random.normal(keys[i], shape, jnp.float32)).astype(jnp.bfloat16)
 
-                params = {"router": w(0, d, e),
-                          "routed": ExpertWeights(w(1, e, d, h), w(2, e, d, h), w(3, e, h, d)),
-                          "shared": ExpertWeights(w(4, d, h), w(5, d, h), w(6, h, d))}
+                params = {
+                    "router": w(0, d, e),
+                    "routed": ExpertWeights(w(1, e, d, h), w(2, e, d, h), w(3, e, h, d)),
+                    "shared": ExpertWeights(w(4, d, h), w(5, d, h), w(6, h, d)),
+                }
                 experts_fn = functools.partial(local_experts, gemm=gemm)
 
                 def loss(params, x, moe=moe, routing=routing, experts_fn=experts_fn):
-                    out, stats = moe_block(x, params["router"], params["routed"], params["shared"], moe,
-                                           routing=routing, key=jax.random.key(3), experts_fn=experts_fn)
+                    out, stats = moe_block(
+                        x,
+                        params["router"],
+                        params["routed"],
+                        params["shared"],
+                        moe,
+                        routing=routing,
+                        key=jax.random.key(3),
+                        experts_fn=experts_fn,
+                    )
                     return jnp.mean(jnp.square(out.astype(jnp.float32))) + 0.01 * stats.load_balancing
 
                 grad = jax.jit(jax.grad(loss))
                 try:
-                    row = _time_moe(lambda g=grad, p=params: jax.block_until_ready(g(p, x)), lambda: None,
-                                    args, e, routing, name)
+                    row = _time_moe(
+                        lambda g=grad, p=params: jax.block_until_ready(g(p, x)), lambda: None, args, e, routing, name
+                    )
                 except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others
                     row = {"experts": e, "routing": routing, "error": f"{type(err).__name__}: {str(err)[:300]}"}
                     print(json.dumps(row), file=sys.stderr, flush=True)
@@ -384,23 +476,50 @@ def _time_moe(step, sync, args, n_experts: int, routing: str, gemm: str | None =
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
     fpt = moe_flops_per_token(args.d_model, args.hidden, 4, args.hidden, n_experts)
-    row = {"experts": n_experts, "routing": routing, "step_s": t, "tokens_per_s": args.tokens / t,
-           "tflops": fpt * args.tokens / t / 1e12, **({"gemm": gemm} if gemm else {})}
+    row = {
+        "experts": n_experts,
+        "routing": routing,
+        "step_s": t,
+        "tokens_per_s": args.tokens / t,
+        "tflops": fpt * args.tokens / t / 1e12,
+        **({"gemm": gemm} if gemm else {}),
+    }
     print(json.dumps(row), file=sys.stderr, flush=True)
     return row
 
 
 # ---- all -------------------------------------------------------------------------------------
 
+
 def cmd_all(args) -> None:
     out = Path(args.out)
     logs = out / "logs"  # the device tool returns at most 8 files: run_h200.sh tars this folder
     logs.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.deadline_s
-    common = ["--preset", args.preset, "--seq", str(args.seq), "--batch", str(args.batch),
-              "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-seconds", str(args.max_seconds)]
-    moe = ["--experts", *map(str, args.moe_experts), "--tokens", str(args.moe_tokens),
-           "--d-model", str(args.moe_d_model), "--hidden", str(args.moe_hidden)]
+    common = [
+        "--preset",
+        args.preset,
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--max-seconds",
+        str(args.max_seconds),
+    ]
+    moe = [
+        "--experts",
+        *map(str, args.moe_experts),
+        "--tokens",
+        str(args.moe_tokens),
+        "--d-model",
+        str(args.moe_d_model),
+        "--hidden",
+        str(args.moe_hidden),
+    ]
     plan = {
         "env": (["env"], 60),
         "torch": (["torch", *common, "--compile"], 200),
@@ -438,19 +557,35 @@ def cmd_all(args) -> None:
             elif key in ("jax-attention-test", "grouped-gemm-test"):
                 name = "test_attention_impl.py" if key == "jax-attention-test" else "test_grouped_gemm.py"
                 test = ROOT / "packages" / "olmo-train-jax" / "tests" / name
-                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(test)],
-                                      capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", str(test)],
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                    cwd=ROOT,
+                )
                 log.write_text(proc.stdout + proc.stderr)
-                errs = [ln for ln in proc.stdout.splitlines() if "relative error" in ln or "xla bf16" in ln
-                        or "Error" in ln][:12]
-                res = {"name": key, "exit": proc.returncode, "summary": proc.stdout.strip().splitlines()[-1:],
-                       "errors": errs}
+                errs = [
+                    ln for ln in proc.stdout.splitlines() if "relative error" in ln or "xla bf16" in ln or "Error" in ln
+                ][:12]
+                res = {
+                    "name": key,
+                    "exit": proc.returncode,
+                    "summary": proc.stdout.strip().splitlines()[-1:],
+                    "errors": errs,
+                }
             else:
                 # Output goes straight to the log, so a contender stopped at its timeout still
                 # leaves what it printed (device run 2 lost a whole MoE table that way).
                 with open(log, "w") as f:
-                    proc = subprocess.run([sys.executable, __file__, *argv], stdout=f, stderr=subprocess.STDOUT,
-                                          text=True, timeout=timeout, cwd=ROOT)
+                    proc = subprocess.run(
+                        [sys.executable, __file__, *argv],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        timeout=timeout,
+                        cwd=ROOT,
+                    )
                 text = log.read_text()
                 found = [ln[7:] for ln in text.splitlines() if ln.startswith("RESULT ")]
                 if found:
@@ -473,22 +608,30 @@ def print_table(results: list[dict]) -> None:
     env = next((r for r in results if r.get("name") == "env" and "matmul_bf16_tflops" in r), None)
     measured = env["matmul_bf16_tflops"] * 1e12 if env else None
     if env:
-        print(f"\n{env['device']}: torch {env['torch']}, jax {env.get('jax')}, bf16 8192^3 matmul "
-              f"{env['matmul_bf16_tflops']:.0f} TFLOP/s, copy {env['copy_tb_per_s']:.2f} TB/s")
-    print(f"{'contender':44s} {'step s':>7s} {'tok/s/dev':>10s} {'TFLOP/s':>8s} {'MFU(989)':>9s} "
-          f"{'MFU(meas)':>9s} {'mem GiB':>8s} {'warmup s':>9s}")
+        print(
+            f"\n{env['device']}: torch {env['torch']}, jax {env.get('jax')}, bf16 8192^3 matmul "
+            f"{env['matmul_bf16_tflops']:.0f} TFLOP/s, copy {env['copy_tb_per_s']:.2f} TB/s"
+        )
+    print(
+        f"{'contender':44s} {'step s':>7s} {'tok/s/dev':>10s} {'TFLOP/s':>8s} {'MFU(989)':>9s} "
+        f"{'MFU(meas)':>9s} {'mem GiB':>8s} {'warmup s':>9s}"
+    )
     for r in results:
         if r.get("cli"):
             ev = ", ".join(f"{k} ppl {v['perplexity']:.1f}" for k, v in (r["eval"] or {}).items())
-            print(f"{r['name']:44s} {r['steps']} steps, loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, "
-                  f"{r['tokens_per_s_per_device']:,.0f} tok/s/dev, MFU {r['mfu']:.1%} ({r['mfu_peak']}), "
-                  f"held-out {ev}, checkpoints {r['checkpoints']}")
+            print(
+                f"{r['name']:44s} {r['steps']} steps, loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, "
+                f"{r['tokens_per_s_per_device']:,.0f} tok/s/dev, MFU {r['mfu']:.1%} ({r['mfu_peak']}), "
+                f"held-out {ev}, checkpoints {r['checkpoints']}"
+            )
         elif "tokens_per_s_per_device" in r:
             meas = f"{r['model_tflops'] * 1e12 / measured:.1%}" if measured else "-"
             mem = f"{r['peak_mem_gib']:.1f}" if r.get("peak_mem_gib") else "-"
-            print(f"{r['name']:44s} {r['step_s']:7.3f} {r['tokens_per_s_per_device']:10,.0f} "
-                  f"{r['model_tflops']:8.1f} {r['mfu_datasheet']:9.1%} {meas:>9s} {mem:>8s} "
-                  f"{sum(r['warmup_s']):9.1f}")
+            print(
+                f"{r['name']:44s} {r['step_s']:7.3f} {r['tokens_per_s_per_device']:10,.0f} "
+                f"{r['model_tflops']:8.1f} {r['mfu_datasheet']:9.1%} {meas:>9s} {mem:>8s} "
+                f"{sum(r['warmup_s']):9.1f}"
+            )
         elif "rows" in r:
             base = {}
             for row in r["rows"]:
@@ -498,9 +641,11 @@ def print_table(results: list[dict]) -> None:
                     continue
                 key = (row.get("gemm"), row["routing"])
                 base.setdefault(key, (row["experts"], row["tokens_per_s"]))
-                print(f"{label:34s} E={row['experts']:<4d} {row['routing']:8s} {row['step_s'] * 1e3:8.2f} ms "
-                      f"{row['tokens_per_s']:12,.0f} tok/s {row['tflops']:7.1f} TFLOP/s "
-                      f"{row['tokens_per_s'] / base[key][1]:.3f} of E={base[key][0]}")
+                print(
+                    f"{label:34s} E={row['experts']:<4d} {row['routing']:8s} {row['step_s'] * 1e3:8.2f} ms "
+                    f"{row['tokens_per_s']:12,.0f} tok/s {row['tflops']:7.1f} TFLOP/s "
+                    f"{row['tokens_per_s'] / base[key][1]:.3f} of E={base[key][0]}"
+                )
         elif "error" in r:
             print(f"{r['name']:44s} {r['error']}")
             for line in r.get("partial", []):  # rows a timed-out contender printed before its limit
@@ -524,10 +669,26 @@ def main() -> None:
         p.add_argument("--max-seconds", type=float, default=120, help="stop timing once this much has run")
     sub.choices["all"].add_argument("--out", required=True)
     sub.choices["all"].add_argument("--deadline-s", type=float, default=450)
-    sub.choices["all"].add_argument("--only", nargs="+", default=[
-        "env", "torch", "jax-save-dots", "jax", "olmo-core", "moe-torch", "moe-jax", "jax-attention-test",
-        "grouped-gemm-test", "cli-torch", "cli-jax", "jax-xla-save-dots", "torch-eager"],
-        help="contenders, in this order")
+    sub.choices["all"].add_argument(
+        "--only",
+        nargs="+",
+        default=[
+            "env",
+            "torch",
+            "jax-save-dots",
+            "jax",
+            "olmo-core",
+            "moe-torch",
+            "moe-jax",
+            "jax-attention-test",
+            "grouped-gemm-test",
+            "cli-torch",
+            "cli-jax",
+            "jax-xla-save-dots",
+            "torch-eager",
+        ],
+        help="contenders, in this order",
+    )
     sub.choices["all"].add_argument("--cli-preset", default="olmo3-190m", help="model of the cli-* contenders")
     sub.choices["all"].add_argument("--cli-steps", type=int, default=30)
     sub.choices["all"].add_argument("--moe-experts", type=int, nargs="+", default=[8, 32, 64, 128])
@@ -538,8 +699,12 @@ def main() -> None:
     sub.choices["torch"].add_argument("--compile", action="store_true")
     sub.choices["torch"].add_argument("--ac", action="store_true", help="activation checkpointing per block")
     sub.choices["jax"].add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"))
-    sub.choices["jax"].add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
-                                    help="fp32 only for dry runs on CPU (XLA:CPU has no bf16 x bf16 -> f32 dot)")
+    sub.choices["jax"].add_argument(
+        "--precision",
+        default="bf16",
+        choices=("bf16", "fp32"),
+        help="fp32 only for dry runs on CPU (XLA:CPU has no bf16 x bf16 -> f32 dot)",
+    )
     sub.choices["jax"].add_argument("--remat", default="none", choices=("none", "block", "save_dots"))
     sub.add_parser("env")
     for name in ("moe-torch", "moe-jax"):
@@ -550,11 +715,21 @@ def main() -> None:
         p.add_argument("--d-model", type=int, default=2048)
         p.add_argument("--hidden", type=int, default=1024)
         p.add_argument("--repeats", type=int, default=10)
-    sub.choices["moe-jax"].add_argument("--gemm", nargs="+", default=["auto", "ragged"],
-                                        help="grouped GEMM backends (moe.GEMM_BACKENDS; auto = moe.gemm_backend)")
+    sub.choices["moe-jax"].add_argument(
+        "--gemm",
+        nargs="+",
+        default=["auto", "ragged"],
+        help="grouped GEMM backends (moe.GEMM_BACKENDS; auto = moe.gemm_backend)",
+    )
     args = parser.parse_args()
-    {"all": cmd_all, "env": cmd_env, "torch": cmd_torch, "jax": cmd_jax,
-     "moe-torch": cmd_moe_torch, "moe-jax": cmd_moe_jax}[args.cmd](args)
+    {
+        "all": cmd_all,
+        "env": cmd_env,
+        "torch": cmd_torch,
+        "jax": cmd_jax,
+        "moe-torch": cmd_moe_torch,
+        "moe-jax": cmd_moe_jax,
+    }[args.cmd](args)
 
 
 if __name__ == "__main__":

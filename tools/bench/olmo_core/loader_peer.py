@@ -42,36 +42,51 @@ def main() -> None:
 
     tokenizer = TokenizerConfig(vocab_size=args.vocab_size, eos_token_id=args.eos, pad_token_id=args.vocab_size - 1)
     dataset = NumpyFSLDatasetConfig(
-        tokenizer=tokenizer, paths=list(args.paths), dtype=args.dtype,
-        sequence_length=args.sequence_length, work_dir=args.work_dir,
+        tokenizer=tokenizer,
+        paths=list(args.paths),
+        dtype=args.dtype,
+        sequence_length=args.sequence_length,
+        work_dir=args.work_dir,
     ).build()
     t0 = time.perf_counter()
     loader = NumpyDataLoaderConfig(
-        global_batch_size=args.batch * args.sequence_length, seed=0, num_workers=0, num_threads=args.threads,
-        work_dir=args.work_dir, target_device_type="cpu",
+        global_batch_size=args.batch * args.sequence_length,
+        seed=0,
+        num_workers=0,
+        num_threads=args.threads,
+        work_dir=args.work_dir,
+        target_device_type="cpu",
     ).build(dataset)
     loader.reshuffle(epoch=1)
     setup_s = time.perf_counter() - t0
     if loader.total_batches < args.batches + 1:
-        raise SystemExit(f"loader_peer: {loader.total_batches} batches in the files, {args.batches + 1} needed; "
-                         "write more tokens or time fewer batches")
+        raise SystemExit(
+            f"loader_peer: {loader.total_batches} batches in the files, {args.batches + 1} needed; "
+            "write more tokens or time fewer batches"
+        )
     batches = iter(loader)
     first = next(batches)["input_ids"]
     if tuple(first.shape) != (args.batch, args.sequence_length):
-        raise SystemExit(f"loader_peer: batch shape {tuple(first.shape)}, expected ({args.batch}, {args.sequence_length})")
+        raise SystemExit(
+            f"loader_peer: batch shape {tuple(first.shape)}, expected ({args.batch}, {args.sequence_length})"
+        )
     t0 = time.perf_counter()
     for _ in range(args.batches):
         next(batches)["input_ids"]
     seconds = time.perf_counter() - t0
-    print(json.dumps({
-        "tokens_per_second": args.batches * args.batch * args.sequence_length / seconds,
-        "setup_s": setup_s,
-        "olmo_core": version("ai2-olmo-core"),
-        "torch": torch.__version__,
-        "num_workers": 0,
-        "num_threads": args.threads,
-        "instances": len(dataset),
-    }))
+    print(
+        json.dumps(
+            {
+                "tokens_per_second": args.batches * args.batch * args.sequence_length / seconds,
+                "setup_s": setup_s,
+                "olmo_core": version("ai2-olmo-core"),
+                "torch": torch.__version__,
+                "num_workers": 0,
+                "num_threads": args.threads,
+                "instances": len(dataset),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -70,11 +70,21 @@ def main() -> None:
         staging = Path(tmp)
         save_model_and_optim_state(staging / "model_and_optim", model)
         np.savez(staging / "reference.npz", tokens=tokens, logits=logits)
-        (staging / "provenance.json").write_text(json.dumps({
-            "ai2-olmo-core": version("ai2-olmo-core"), "torch": torch.__version__, "config": how,
-            "parameters": sum(p.numel() for p in model.parameters()), "batch": BATCH, "sequence": SEQ,
-            "seed": args.seed,
-        }, indent=2) + "\n")
+        (staging / "provenance.json").write_text(
+            json.dumps(
+                {
+                    "ai2-olmo-core": version("ai2-olmo-core"),
+                    "torch": torch.__version__,
+                    "config": how,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "batch": BATCH,
+                    "sequence": SEQ,
+                    "seed": args.seed,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
         for name in ("model_and_optim", "reference.npz", "provenance.json"):
             target = args.dir / name
             if target.is_dir():  # a directory cannot be replaced by rename: move the old one out first

@@ -22,29 +22,46 @@ from olmo_core.nn.feed_forward import FeedForwardConfig
 from olmo_core.nn.transformer import Transformer, TransformerBlockType, TransformerConfig
 
 # Our preset name -> OLMo-core's TransformerConfig classmethod for the same shape.
-NAMED = {"olmo3-14m": "olmo3_14M", "olmo3-30m": "olmo3_30M", "olmo3-60m": "olmo3_60M",
-         "olmo3-190m": "olmo3_190M", "olmo3-1b": "olmo3_1B", "olmo3-7b": "olmo3_7B", "olmo3-32b": "olmo3_32B"}
+NAMED = {
+    "olmo3-14m": "olmo3_14M",
+    "olmo3-30m": "olmo3_30M",
+    "olmo3-60m": "olmo3_60M",
+    "olmo3-190m": "olmo3_190M",
+    "olmo3-1b": "olmo3_1B",
+    "olmo3-7b": "olmo3_7B",
+    "olmo3-32b": "olmo3_32B",
+}
 
 
 def olmo3_config(spec: dict) -> tuple[TransformerConfig, str]:
     """(OLMo-core config, how it was made) for a dense spec with full-width QK-norm and no YaRN."""
     if spec["moe"] is not None or spec["yarn"] is not None or spec["qk_norm"] != "full":
-        raise SystemExit(f"peer_model: spec {spec['name']!r} uses MoE, YaRN or per-head QK-norm; "
-                         "only dense Olmo 3 specs without YaRN are mapped to OLMo-core here")
+        raise SystemExit(
+            f"peer_model: spec {spec['name']!r} uses MoE, YaRN or per-head QK-norm; "
+            "only dense Olmo 3 specs without YaRN are mapped to OLMo-core here"
+        )
     backend = AttentionBackendName.torch  # flash-attn needs a GPU; SDPA is OLMo-core's CPU path
     if spec["name"] in NAMED:
         method = NAMED[spec["name"]]
-        return getattr(TransformerConfig, method)(vocab_size=spec["padded_vocab_size"], attn_backend=backend), \
-            f"TransformerConfig.{method}(vocab_size={spec['padded_vocab_size']}, attn_backend='torch')"
+        return getattr(TransformerConfig, method)(
+            vocab_size=spec["padded_vocab_size"], attn_backend=backend
+        ), f"TransformerConfig.{method}(vocab_size={spec['padded_vocab_size']}, attn_backend='torch')"
     # One window entry per layer (-1 = full attention): OLMo-core's pattern then equals our layer_types.
     pattern = [spec["sliding_window"] if t == "sliding_attention" else -1 for t in spec["layer_types"]]
     config = TransformerConfig.llama_like(
-        d_model=spec["d_model"], vocab_size=spec["padded_vocab_size"], n_layers=spec["n_layers"],
-        n_heads=spec["n_heads"], n_kv_heads=spec["n_kv_heads"], block_name=TransformerBlockType.reordered_norm,
-        qk_norm=True, rope_theta=int(spec["rope_theta"]), layer_norm_eps=spec["norm_eps"],
+        d_model=spec["d_model"],
+        vocab_size=spec["padded_vocab_size"],
+        n_layers=spec["n_layers"],
+        n_heads=spec["n_heads"],
+        n_kv_heads=spec["n_kv_heads"],
+        block_name=TransformerBlockType.reordered_norm,
+        qk_norm=True,
+        rope_theta=int(spec["rope_theta"]),
+        layer_norm_eps=spec["norm_eps"],
         feed_forward=FeedForwardConfig(hidden_size=spec["mlp_hidden"], bias=False),
         sliding_window=SlidingWindowAttentionConfig(
-            pattern=pattern, force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=False),
+            pattern=pattern, force_full_attention_on_first_layer=False, force_full_attention_on_last_layer=False
+        ),
         attn_backend=backend,
     )
     return config, f"TransformerConfig.llama_like(reordered_norm, qk_norm, window pattern {pattern})"
@@ -84,8 +101,10 @@ def check_matches(model: Transformer, spec: dict, param_total: int | None) -> No
     }
     for key, value in want.items():
         if value is not None and found[key] != value:
-            raise SystemExit(f"peer_model: OLMo-core's model has {key} = {found[key]}, spec {spec['name']!r} "
-                             f"has {value}; the configs differ, fix peer_model.olmo3_config")
+            raise SystemExit(
+                f"peer_model: OLMo-core's model has {key} = {found[key]}, spec {spec['name']!r} "
+                f"has {value}; the configs differ, fix peer_model.olmo3_config"
+            )
 
 
 def build(spec: dict, param_total: int | None, seed: int) -> tuple[Transformer, str]:

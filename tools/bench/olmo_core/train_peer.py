@@ -82,13 +82,16 @@ class _Unavailable(Exception, metaclass=_UnavailableMeta):
     default value and in annotations, and raises the moment anything instantiates or calls it."""
 
     def __init__(self, *args, **kwargs):
-        raise ModuleNotFoundError(f"{type(self).__module__} is not installed; train_peer.py put a placeholder "
-                                  "module in its place so that cached_path (an OLMo-core dependency) imports")
+        raise ModuleNotFoundError(
+            f"{type(self).__module__} is not installed; train_peer.py put a placeholder "
+            "module in its place so that cached_path (an OLMo-core dependency) imports"
+        )
 
 
 def _placeholder(module: str, qualname: str) -> type:
-    return _UnavailableMeta(qualname.rsplit(".", 1)[-1], (_Unavailable,),
-                            {"__module__": module, "__qualname__": qualname})
+    return _UnavailableMeta(
+        qualname.rsplit(".", 1)[-1], (_Unavailable,), {"__module__": module, "__qualname__": qualname}
+    )
 
 
 class _PlaceholderModule(types.ModuleType):
@@ -134,14 +137,15 @@ def _stub_missing_cloud_sdks() -> list[str]:
             importlib.import_module("cached_path.schemes")  # cached_path and all its schemes
         finally:
             sys.meta_path.remove(finder)  # the imported placeholders stay in sys.modules
-        print(f"train_peer: not installed, replaced by placeholders for cached_path: {', '.join(roots)}",
-              file=sys.stderr)
+        print(
+            f"train_peer: not installed, replaced by placeholders for cached_path: {', '.join(roots)}", file=sys.stderr
+        )
     return roots
 
 
 _stub_missing_cloud_sdks()
 
-from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig
+from olmo_core.optim import OptimGroupOverride, SkipStepAdamWConfig  # noqa: E402  (after the SDK stubs)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peer_model  # noqa: E402  (a sibling file, not an installed package)
@@ -149,7 +153,10 @@ import peer_model  # noqa: E402  (a sibling file, not an installed package)
 
 def build_optim(model: torch.nn.Module, lr: float):
     return SkipStepAdamWConfig(
-        lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True,
+        lr=lr,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        foreach=True,
         group_overrides=[OptimGroupOverride(params=["embeddings.weight"], opts=dict(weight_decay=0.0))],
     ).build(model)
 
@@ -178,8 +185,9 @@ def run_steps(step, batches: np.ndarray, sync, max_seconds: float | None, starte
     return out
 
 
-def time_mode(spec: dict, param_total: int, batches: np.ndarray, compile_blocks: bool, lr: float,
-              max_seconds: float | None = None) -> dict:
+def time_mode(
+    spec: dict, param_total: int, batches: np.ndarray, compile_blocks: bool, lr: float, max_seconds: float | None = None
+) -> dict:
     """The CPU fp32 path: one process, no process group (the default)."""
     started = time.perf_counter()
     model, how = peer_model.build(spec, param_total, seed=0)
@@ -229,8 +237,16 @@ def attention_backend(device: torch.device):
     return AttentionBackendName.torch, "SDPA (flash_attn not importable; OLMo-core's default would be flash_2)"
 
 
-def time_mode_parallel(spec: dict, param_total: int, batches: np.ndarray, compile_blocks: bool, lr: float,
-                       device: torch.device, precision: str, max_seconds: float | None) -> dict:
+def time_mode_parallel(
+    spec: dict,
+    param_total: int,
+    batches: np.ndarray,
+    compile_blocks: bool,
+    lr: float,
+    device: torch.device,
+    precision: str,
+    max_seconds: float | None,
+) -> dict:
     """The train-module path: FSDP2 over a one-rank mesh, bf16 (or fp32) params, fp32 reduce."""
     from olmo_core.config import DType
     from olmo_core.distributed.parallel import (
@@ -259,7 +275,8 @@ def time_mode_parallel(spec: dict, param_total: int, batches: np.ndarray, compil
     # The recipes' TransformerDataParallelConfig with FSDP in place of HSDP (one rank); its
     # wrapping_strategy (full) and prefetch_factor (0) defaults are apply_fsdp's defaults.
     dp_config = DataParallelConfig(
-        name=DataParallelType.fsdp, param_dtype=DType.bfloat16 if precision == "bf16" else None,
+        name=DataParallelType.fsdp,
+        param_dtype=DType.bfloat16 if precision == "bf16" else None,
         reduce_dtype=DType.float32,
     )
     # Built once per process (OLMo-core allows one); later modes reuse it.
@@ -270,8 +287,9 @@ def time_mode_parallel(spec: dict, param_total: int, batches: np.ndarray, compil
         reduce_dtype=dp_config.reduce_dtype.as_pt(),
     )
     seq = batches.shape[2] - 1
-    model.init_weights(max_seq_len=seq, max_local_microbatch_size=batches.shape[1] * seq, device=device,
-                       world_mesh=world_mesh)
+    model.init_weights(
+        max_seq_len=seq, max_local_microbatch_size=batches.shape[1] * seq, device=device, world_mesh=world_mesh
+    )
     model.train()
     optim = build_optim(model, lr)
     z_loss = spec["z_loss_weight"]
@@ -300,14 +318,18 @@ def time_mode_parallel(spec: dict, param_total: int, batches: np.ndarray, compil
         torch.cuda.reset_peak_memory_stats(device)
         sync = torch.cuda.synchronize
     else:
+
         def sync() -> None:
             pass
+
     result = run_steps(step, batches, sync, max_seconds, started)
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     param_dtype = "bf16" if precision == "bf16" else "fp32"
-    result["config"] = (f"{how}; attention {attn_why}; FSDP2 (apply_fsdp) over 1 rank ({backend_pg}), "
-                        f"param_dtype {param_dtype}, reduce_dtype fp32; meta build, init_weights on {device.type}")
+    result["config"] = (
+        f"{how}; attention {attn_why}; FSDP2 (apply_fsdp) over 1 rank ({backend_pg}), "
+        f"param_dtype {param_dtype}, reduce_dtype fp32; meta build, init_weights on {device.type}"
+    )
     return result
 
 
@@ -318,12 +340,24 @@ def main() -> None:
     parser.add_argument("--batches", required=True, help=".npy int32 (steps, batch, sequence + 1)")
     parser.add_argument("--modes", nargs="+", choices=("eager", "compile"), default=["eager", "compile"])
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda (or --precision bf16) runs OLMo-core's FSDP train-module path in a 1-process group")
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
-                        help="bf16: FSDP param_dtype bf16, reduce_dtype fp32 (OLMo-core's recipes)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="per mode: stop timing once this much wall time has passed since the mode started")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda (or --precision bf16) runs OLMo-core's FSDP train-module path in a 1-process group",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: FSDP param_dtype bf16, reduce_dtype fp32 (OLMo-core's recipes)",
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="per mode: stop timing once this much wall time has passed since the mode started",
+    )
     args = parser.parse_args()
     spec = json.loads(Path(args.spec).read_text())
     batches = np.load(args.batches)
@@ -334,18 +368,26 @@ def main() -> None:
     results = {}
     for mode in args.modes:
         if parallel:
-            results[mode] = time_mode_parallel(spec, args.param_total, batches, mode == "compile", args.lr,
-                                               device, args.precision, args.max_seconds)
+            results[mode] = time_mode_parallel(
+                spec, args.param_total, batches, mode == "compile", args.lr, device, args.precision, args.max_seconds
+            )
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         else:
             results[mode] = time_mode(spec, args.param_total, batches, mode == "compile", args.lr, args.max_seconds)
-    print(json.dumps({
-        "olmo_core": version("ai2-olmo-core"), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "precision": args.precision, "modes": results,
-    }))
+    print(
+        json.dumps(
+            {
+                "olmo_core": version("ai2-olmo-core"),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "precision": args.precision,
+                "modes": results,
+            }
+        )
+    )
     if parallel:
         import torch.distributed as dist
 

@@ -97,10 +97,12 @@ def compare(curves: list[tuple[np.ndarray, np.ndarray]], at: list[int] | None) -
     for steps, _ in curves[1:]:
         shared = np.intersect1d(shared, steps)
     lookup = [dict(zip(s.tolist(), v.tolist())) for s, v in curves]
-    diffs = [
-        np.array([lookup[i][s] - lookup[0][s] for s in shared.tolist()]) for i in range(1, len(curves))
-    ]
-    chosen = at if at else (shared[np.linspace(0, len(shared) - 1, min(len(shared), 6)).astype(int)].tolist() if len(shared) else [])
+    diffs = [np.array([lookup[i][s] - lookup[0][s] for s in shared.tolist()]) for i in range(1, len(curves))]
+    chosen = (
+        at
+        if at
+        else (shared[np.linspace(0, len(shared) - 1, min(len(shared), 6)).astype(int)].tolist() if len(shared) else [])
+    )
     return {
         "shared_steps": int(len(shared)),
         "max_abs_diff": [float(np.max(np.abs(d))) if len(d) else None for d in diffs],
@@ -122,7 +124,9 @@ def plot(names: list[str], curves: list[tuple[np.ndarray, np.ndarray]], out: Pat
     for name, (s, v) in zip(names[1:], curves[1:]):
         mask = np.array([x in ref for x in s.tolist()])
         if mask.any():
-            bottom.plot(s[mask], v[mask] - np.array([ref[x] for x in s[mask].tolist()]), lw=1, label=f"{name} - {names[0]}")
+            bottom.plot(
+                s[mask], v[mask] - np.array([ref[x] for x in s[mask].tolist()]), lw=1, label=f"{name} - {names[0]}"
+            )
     top.set_ylabel(metric)
     top.legend()
     top.grid(alpha=0.3)
@@ -185,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         console = Console()
         console.print(table)
         for r, mx in zip(args.runs[1:], result["max_abs_diff"]):
-            console.print(f"max |{Path(r).name} - {Path(args.runs[0]).name}| over {result['shared_steps']} shared steps: {mx}")
+            console.print(
+                f"max |{Path(r).name} - {Path(args.runs[0]).name}| over {result['shared_steps']} shared steps: {mx}"
+            )
     if args.max_diff is not None and any(m is not None and m > args.max_diff for m in result["max_abs_diff"]):
         return 1
     return 0

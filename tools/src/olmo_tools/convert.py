@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from olmo_model import ModelSpec, hf_param_shapes
-from olmo_model.presets import SpecError
 from rich.console import Console
 from rich.table import Table
+
+from olmo_model import ModelSpec, hf_param_shapes
+from olmo_model.presets import SpecError
 
 from .formats import (
     DTYPES,
@@ -93,10 +94,15 @@ def _size_of(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="olmo-convert", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="hf:DIR | olmo-core:PATH | torch:DIR | jax:DIR | torch-run:RUN | jax-run:RUN")
-    parser.add_argument("dst", help="hf:DIR | olmo-core:PATH (.pt file, else a DCP dir) | torch:DIR | jax:DIR | torch-run:DIR | jax-run:DIR")
+    parser.add_argument(
+        "dst",
+        help="hf:DIR | olmo-core:PATH (.pt file, else a DCP dir) | torch:DIR | jax:DIR | torch-run:DIR | jax-run:DIR",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast every tensor (default: keep the stored dtype)")
     parser.add_argument("--spec", help="preset name or spec file; required for olmo-core sources, else checked")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)"
+    )
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="hf: split safetensors above this size (GiB)")
     args = parser.parse_args(argv)
     console = Console(stderr=True)

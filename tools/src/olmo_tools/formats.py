@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from olmo_model import (
     HFLayoutError,
     ModelSpec,
@@ -124,7 +125,9 @@ def olmo_core_name(hf_name: str) -> str:
         return _HF_FROM_TOP[hf_name]
     m = _HF_LAYER_KEY.fullmatch(hf_name)
     if not m or m.group(2) not in _HF_FROM_BLOCK:
-        raise CheckpointError(f"tensor '{hf_name}' has no OLMo-core olmo3 counterpart (MoE and per-head QK-norm are not mapped)")
+        raise CheckpointError(
+            f"tensor '{hf_name}' has no OLMo-core olmo3 counterpart (MoE and per-head QK-norm are not mapped)"
+        )
     return f"blocks.{m.group(1)}.{_HF_FROM_BLOCK[m.group(2)]}"
 
 
@@ -205,7 +208,9 @@ def validate(ckpt: Checkpoint) -> None:
 def checked_tensor(ckpt: Checkpoint, name: str, t: torch.Tensor) -> torch.Tensor:
     # A file can lie in its header only by corruption; still, never pass on a wrong tensor.
     if tuple(t.shape) != ckpt.stored[name][0]:
-        raise CheckpointError(f"{ckpt.origin}: tensor '{name}' read with shape {tuple(t.shape)}, header says {ckpt.stored[name][0]}")
+        raise CheckpointError(
+            f"{ckpt.origin}: tensor '{name}' read with shape {tuple(t.shape)}, header says {ckpt.stored[name][0]}"
+        )
     return t
 
 
@@ -310,7 +315,11 @@ def write_safetensors(
     offset = 0
     for name, shape, dtype in entries:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors itself does
@@ -453,7 +462,9 @@ class OlmoCoreCheckpoint(Checkpoint):
         self._state: Mapping[str, torch.Tensor] | None = None
         if path.is_dir():
             if not (path / DCP_METADATA).is_file():
-                raise CheckpointError(f"{path}: no {DCP_METADATA}; an olmo-core: directory is a torch.distributed.checkpoint")
+                raise CheckpointError(
+                    f"{path}: no {DCP_METADATA}; an olmo-core: directory is a torch.distributed.checkpoint"
+                )
             self._dcp = DCPDir(path)
             # OLMo-core keeps model and optimizer in one DCP: model keys under "model.".
             keys = {k.removeprefix("model."): k for k in self._dcp.tensors if k.startswith("model.")}
@@ -518,8 +529,10 @@ def _remove_stale_partials(parent: Path) -> None:
         m = _PARTIAL.fullmatch(p.name)
         if m and not pid_alive(int(m[1])):
             _remove(p)
-            print(f"olmo-convert: removed {p}, left by an interrupted conversion (process {m[1]} is gone)",
-                  file=sys.stderr)
+            print(
+                f"olmo-convert: removed {p}, left by an interrupted conversion (process {m[1]} is gone)",
+                file=sys.stderr,
+            )
 
 
 @contextmanager

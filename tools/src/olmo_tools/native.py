@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.presets import SpecError, spec_from_dict
 
@@ -138,13 +139,16 @@ class JaxCheckpoint(Checkpoint):
     def __init__(self, path: Path, spec: str | ModelSpec | None = None):
         import orbax.checkpoint as ocp
         from flax import nnx
+
         from olmo_train_jax import OlmoModel, to_hf
 
         self.origin = f"jax:{path}"
         self.spec = resolve_spec(read_spec_file(path), spec, self.origin, SPEC_FILE)
         state_dir = (path / JAX_STATE).absolute()
         if not state_dir.is_dir():
-            raise CheckpointError(f"{state_dir}: not found; a jax: directory holds spec.json and an Orbax checkpoint in state/")
+            raise CheckpointError(
+                f"{state_dir}: not found; a jax: directory holds spec.json and an Orbax checkpoint in state/"
+            )
         pure = ocp.StandardCheckpointer().restore(state_dir)
         param_dtype = np.asarray(pure["embed"]).dtype if "embed" in pure else np.float32
         model = nnx.eval_shape(lambda: OlmoModel(self.spec, rngs=nnx.Rngs(0), param_dtype=param_dtype))
@@ -188,6 +192,7 @@ def write_jax(dst: Path, ckpt: Checkpoint, param_dtype) -> None:
     """Orbax checkpoint of the NNX model's parameters (pure dict) + spec.json."""
     import orbax.checkpoint as ocp
     from flax import nnx
+
     from olmo_train_jax import model_from_hf
 
     tensors = {name: torch_to_numpy(t) for name, t in ckpt.tensors()}

@@ -32,12 +32,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from olmo_model import ModelSpec
-from olmo_model.presets import SpecError
 from rich.console import Console
 from rich.table import Table
 
-from .formats import DTYPES, KINDS, CheckpointError, HFCheckpoint, open_checkpoint, parse_location, spec_disagreement, validate
+from olmo_model import ModelSpec
+from olmo_model.presets import SpecError
+
+from .formats import (
+    DTYPES,
+    KINDS,
+    CheckpointError,
+    HFCheckpoint,
+    open_checkpoint,
+    parse_location,
+    spec_disagreement,
+    validate,
+)
 from .train_parity import add_train_command
 
 PARITY_KINDS = (*KINDS, "hf-ref")
@@ -78,6 +88,7 @@ def load_side(text: str, impl: str | None, dtype: str, spec: str | None = None) 
         elif impl == "jax":
             import jax.numpy as jnp
             from flax import nnx
+
             from olmo_train_jax import model_from_hf
 
             from .native import torch_to_numpy
@@ -179,7 +190,9 @@ def run_logits(args: argparse.Namespace) -> int:
     b = load_side(args.b, args.impl_b, dtype_b, args.spec)
     diff = spec_disagreement(a.spec, b.spec)
     if diff:
-        raise CheckpointError(f"{args.a} and {args.b} are different models ({'; '.join(diff[:3])}); compare like with like")
+        raise CheckpointError(
+            f"{args.a} and {args.b} are different models ({'; '.join(diff[:3])}); compare like with like"
+        )
     if args.tokens:
         ids = read_tokens(Path(args.tokens), args.batch, args.seq_len, a.spec.vocab_size, args.tokens_dtype)
     else:
@@ -230,12 +243,16 @@ def add_logits_command(subparsers) -> None:
     p.add_argument("b", help="B: same kinds as A")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype of both sides")
+    p.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype of both sides"
+    )
     p.add_argument("--dtype-a", choices=sorted(DTYPES), help="A's parameter and compute dtype (default: --dtype)")
     p.add_argument("--dtype-b", choices=sorted(DTYPES), help="B's parameter and compute dtype (default: --dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids (numpy default_rng)")
     p.add_argument("--tokens", help="token ids instead of random ones: .npy, or a raw OLMo token file")
-    p.add_argument("--tokens-dtype", choices=("uint16", "uint32"), default="uint32", help="element type of a raw token file")
+    p.add_argument(
+        "--tokens-dtype", choices=("uint16", "uint32"), default="uint32", help="element type of a raw token file"
+    )
     p.add_argument("--impl-a", choices=("torch", "jax"), help="run A with this implementation (default by kind)")
     p.add_argument("--impl-b", choices=("torch", "jax"), help="run B with this implementation (default by kind)")
     p.add_argument("--spec", help="preset or spec file for olmo-core sides (they carry no config)")

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+
 from olmo_model import ModelSpec
 from olmo_model.recipe import Recipe, RecipeError, load_recipe
 from olmo_model.runlog import read_metrics, write_atomic
-from rich.console import Console
-from rich.table import Table
 
 from .formats import CheckpointError, atomic_destination, write_hf
 
@@ -49,6 +50,7 @@ class TrainParityError(CheckpointError):
 def export_initial_weights(spec: ModelSpec, seed: int, dst: Path) -> None:
     """The torch trainer's step-0 weights for ``seed`` as an HF folder (the shared starting point)."""
     import torch
+
     from olmo_train_torch.hf_adapter import to_hf
     from olmo_train_torch.model import build_model
 
@@ -68,7 +70,9 @@ def _run_trainer(framework: str, args: list[str], log: Path) -> float:
         status = main(args)
     if status != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
-        raise TrainParityError(f"olmo-train-{framework} exited with status {status}: {lines[-1] if lines else '?'} (see {log})")
+        raise TrainParityError(
+            f"olmo-train-{framework} exited with status {status}: {lines[-1] if lines else '?'} (see {log})"
+        )
     return time.perf_counter() - start
 
 
@@ -93,7 +97,8 @@ def compare_runs(torch_dir: Path, jax_dir: Path, steps: int) -> dict[str, Any]:
     gn_diff = np.abs(np.subtract(gn_t, gn_j))
     held_out = {
         name: {"torch": t_eval[name], "jax": j_eval.get(name), "abs_diff": abs(t_eval[name] - j_eval[name])}
-        for name in t_eval if name in j_eval
+        for name in t_eval
+        if name in j_eval
     }
     return {
         "steps": idx,
@@ -113,7 +118,10 @@ def compare_runs(torch_dir: Path, jax_dir: Path, steps: int) -> dict[str, Any]:
 
 
 def check_thresholds(
-    result: dict[str, Any], *, max_loss_diff: float | None, max_grad_norm_diff: float | None,
+    result: dict[str, Any],
+    *,
+    max_loss_diff: float | None,
+    max_grad_norm_diff: float | None,
     max_eval_diff: float | None,
 ) -> list[str]:
     """One message per threshold that is given and exceeded (empty: PASS)."""
@@ -153,8 +161,13 @@ def run_train_parity(args: argparse.Namespace) -> int:
     export_initial_weights(spec, recipe.train.seed, out / INIT_DIR)
 
     common = [
-        *forced, f"--init.checkpoint=hf:{(out / INIT_DIR).absolute()}", "--init.load_optimizer=false",
-        "--log.every=1", "--log.progress=false", f"--checkpoint.every={args.steps}", "--torch.parallel=none",
+        *forced,
+        f"--init.checkpoint=hf:{(out / INIT_DIR).absolute()}",
+        "--init.load_optimizer=false",
+        "--log.every=1",
+        "--log.progress=false",
+        f"--checkpoint.every={args.steps}",
+        "--torch.parallel=none",
     ]
     wall = {}
     for fw in FRAMEWORKS:
@@ -163,14 +176,21 @@ def run_train_parity(args: argparse.Namespace) -> int:
     result = compare_runs(out / "torch", out / "jax", args.steps)
 
     failures = check_thresholds(
-        result, max_loss_diff=args.max_loss_diff, max_grad_norm_diff=args.max_grad_norm_diff,
+        result,
+        max_loss_diff=args.max_loss_diff,
+        max_grad_norm_diff=args.max_grad_norm_diff,
         max_eval_diff=args.max_eval_diff,
     )
     png = Path(args.png) if args.png else out / "parity.png"
     from .compare_runs import plot
 
     steps = np.asarray(result["steps"])
-    plot(["torch", "jax"], [(steps, np.asarray(result["loss_torch"])), (steps, np.asarray(result["loss_jax"]))], png, "loss")
+    plot(
+        ["torch", "jax"],
+        [(steps, np.asarray(result["loss_torch"])), (steps, np.asarray(result["loss_jax"]))],
+        png,
+        "loss",
+    )
     report = {
         "recipe": args.recipe or "default recipe",
         "overrides": args.overrides,
@@ -184,8 +204,11 @@ def run_train_parity(args: argparse.Namespace) -> int:
         "png": str(png),
         "wall_seconds": wall,
         **result,
-        "thresholds": {"max_loss_diff": args.max_loss_diff, "max_grad_norm_diff": args.max_grad_norm_diff,
-                       "max_eval_diff": args.max_eval_diff},
+        "thresholds": {
+            "max_loss_diff": args.max_loss_diff,
+            "max_grad_norm_diff": args.max_grad_norm_diff,
+            "max_eval_diff": args.max_eval_diff,
+        },
         "passed": not failures,
         "failures": failures,
     }
@@ -198,8 +221,10 @@ def run_train_parity(args: argparse.Namespace) -> int:
 
 
 def _print_table(r: dict[str, Any]) -> None:
-    table = Table(title=f"olmo-parity train: {r['spec']} ({r['n_layers']} layers, d_model {r['d_model']}, "
-                        f"window {r['sliding_window']}), {len(r['steps'])} steps, fp32")
+    table = Table(
+        title=f"olmo-parity train: {r['spec']} ({r['n_layers']} layers, d_model {r['d_model']}, "
+        f"window {r['sliding_window']}), {len(r['steps'])} steps, fp32"
+    )
     table.add_column("step", justify="right")
     table.add_column("loss torch", justify="right")
     table.add_column("loss jax", justify="right")
@@ -209,12 +234,19 @@ def _print_table(r: dict[str, Any]) -> None:
     shown = sorted({1, *np.linspace(1, n, min(n, 6)).astype(int).tolist(), r["max_abs_loss_diff_step"]})
     for s in shown:
         i = s - 1
-        table.add_row(str(s), f"{r['loss_torch'][i]:.6f}", f"{r['loss_jax'][i]:.6f}", f"{r['abs_loss_diff'][i]:.2e}",
-                      f"{r['abs_grad_norm_diff'][i]:.2e}")
+        table.add_row(
+            str(s),
+            f"{r['loss_torch'][i]:.6f}",
+            f"{r['loss_jax'][i]:.6f}",
+            f"{r['abs_loss_diff'][i]:.2e}",
+            f"{r['abs_grad_norm_diff'][i]:.2e}",
+        )
     console = Console()
     console.print(table)
-    console.print(f"max |loss diff| {r['max_abs_loss_diff']:.3e} at step {r['max_abs_loss_diff_step']}; "
-                  f"max |grad norm diff| {r['max_abs_grad_norm_diff']:.3e} (relative {r['max_rel_grad_norm_diff']:.2e})")
+    console.print(
+        f"max |loss diff| {r['max_abs_loss_diff']:.3e} at step {r['max_abs_loss_diff_step']}; "
+        f"max |grad norm diff| {r['max_abs_grad_norm_diff']:.3e} (relative {r['max_rel_grad_norm_diff']:.2e})"
+    )
     for name, v in r["held_out"].items():
         console.print(f"held-out {name}: torch {v['torch']:.6f}, jax {v['jax']:.6f}, |diff| {v['abs_diff']:.2e}")
     console.print(f"curves: {r['png']}; report: {r['out']}/parity.json")
@@ -223,7 +255,8 @@ def _print_table(r: dict[str, Any]) -> None:
 
 def add_train_command(subparsers) -> None:
     p = subparsers.add_parser(
-        "train", help="run both trainers from the same weights on one recipe and compare them step by step",
+        "train",
+        help="run both trainers from the same weights on one recipe and compare them step by step",
         description="Extra --section.key=value arguments override the recipe, as for olmo-train-*.",
     )
     p.add_argument("recipe", nargs="?", help="recipe YAML (default: the built-in default recipe)")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.init_source import resolve_checkpoint
 from olmo_model.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
@@ -76,6 +77,7 @@ def _framework(loc: Location) -> str:
 
 # ---- reading ------------------------------------------------------------------------------
 
+
 def read_training_state(text: str) -> TrainingState:
     """The training state of a ``torch-run:`` or ``jax-run:`` checkpoint (or run dir)."""
     loc = parse_location(text, RUN_KINDS)
@@ -92,8 +94,10 @@ def read_training_state(text: str) -> TrainingState:
         )
     spec = ModelSpec.model_validate(meta["spec"])
     if spec.moe is not None:
-        raise CheckpointError(f"{ckpt}: an MoE model ({spec.moe.n_experts} experts); the JAX trainer has no MoE, so "
-                              "its training state cannot move between trainers yet")
+        raise CheckpointError(
+            f"{ckpt}: an MoE model ({spec.moe.n_experts} experts); the JAX trainer has no MoE, so "
+            "its training state cannot move between trainers yet"
+        )
     try:
         recipe = recipe_from_dict(meta["recipe"], f"{ckpt}/meta.json recipe")
     except RecipeError as err:
@@ -106,6 +110,7 @@ def read_training_state(text: str) -> TrainingState:
 
 def _read_torch(ckpt: Path, spec: ModelSpec, recipe: Recipe):
     import torch
+
     from olmo_train_torch.hf_adapter import hf_to_local_names
 
     if not (ckpt / DCP_METADATA).is_file():
@@ -114,7 +119,9 @@ def _read_torch(ckpt: Path, spec: ModelSpec, recipe: Recipe):
 
     def load(key: str) -> np.ndarray:
         if key not in store.tensors:
-            raise CheckpointError(f"{ckpt}: no tensor '{key}'; the checkpoint does not hold this model's training state")
+            raise CheckpointError(
+                f"{ckpt}: no tensor '{key}'; the checkpoint does not hold this model's training state"
+            )
         return store.load(key).to(torch.float32).numpy()
 
     params, exp_avg, exp_avg_sq, counts = {}, {}, {}, set()
@@ -138,6 +145,7 @@ def _jax_model(spec: ModelSpec, recipe: Recipe, tree: dict | None = None):
     """The JAX trainer's model, abstract (shapes only), or holding a params-shaped pure dict
     (the weights, or one AdamW moment: it has the weights' tree)."""
     from flax import nnx
+
     from olmo_train_jax.model import build_model
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(spec, seed=recipe.train.seed)))
@@ -154,6 +162,7 @@ def _jax_to_hf(spec: ModelSpec, recipe: Recipe, tree: dict) -> dict[str, np.ndar
 
 def _hf_to_jax(spec: ModelSpec, recipe: Recipe, tensors: dict[str, np.ndarray]) -> dict:
     from flax import nnx
+
     from olmo_train_jax.hf_adapter import load_hf
 
     model = _jax_model(spec, recipe)
@@ -165,6 +174,7 @@ def _jax_abstract(spec: ModelSpec, recipe: Recipe):
     """(abstract params, abstract AdamW state, tx) on one device, as the JAX trainer builds them."""
     import jax
     from flax import nnx
+
     from olmo_train_jax.checkpoint import abstract_like
     from olmo_train_jax.train import make_optimizer
 
@@ -180,6 +190,7 @@ def _jax_abstract(spec: ModelSpec, recipe: Recipe):
 
 def _read_jax(ckpt: Path, spec: ModelSpec, recipe: Recipe):
     import optax.tree_utils as otu
+
     from olmo_train_jax.checkpoint import STATE_DIR, restore_state
 
     if not (ckpt / STATE_DIR).is_dir():
@@ -200,8 +211,10 @@ def _read_jax(ckpt: Path, spec: ModelSpec, recipe: Recipe):
 
 # ---- writing -------------------------------------------------------------------------------
 
+
 def _write_torch(run_dir: Path, state: TrainingState, recipe: Recipe, meta: dict[str, Any]) -> None:
     import torch
+
     from olmo_train_torch.checkpoint import Checkpointer
     from olmo_train_torch.hf_adapter import hf_to_local_names, model_from_hf
     from olmo_train_torch.parallelize import Distributed
@@ -226,6 +239,7 @@ def _write_jax(run_dir: Path, state: TrainingState, recipe: Recipe, meta: dict[s
     import jax
     import jax.numpy as jnp
     import optax.tree_utils as otu
+
     from olmo_train_jax.checkpoint import Checkpointer
 
     abstract_params, abstract_opt, tx = _jax_abstract(state.spec, recipe)
@@ -251,6 +265,7 @@ _WRITERS = {"torch": _write_torch, "jax": _write_jax}
 
 
 # ---- where it goes ----------------------------------------------------------------------------
+
 
 def _mixture_fits(state: TrainingState, recipe: Recipe, where: str) -> None:
     """The target recipe's mixture is the one the source's data position refers to."""
@@ -345,8 +360,14 @@ def convert_training_state(src: str, dst: str, *, overwrite: bool = False) -> Mo
     state = read_training_state(src)
     expected = hf_param_shapes(state.spec)
     for name, shape in expected.items():
-        for what, tensors in (("parameter", state.params), ("exp_avg", state.exp_avg), ("exp_avg_sq", state.exp_avg_sq)):
+        for what, tensors in (
+            ("parameter", state.params),
+            ("exp_avg", state.exp_avg),
+            ("exp_avg_sq", state.exp_avg_sq),
+        ):
             if tensors[name].shape != shape:
-                raise CheckpointError(f"{state.origin}: {what} '{name}' has shape {tensors[name].shape}, expected {shape}")
+                raise CheckpointError(
+                    f"{state.origin}: {what} '{name}' has shape {tensors[name].shape}, expected {shape}"
+                )
     write_training_state(state, dst, overwrite=overwrite)
     return state.spec

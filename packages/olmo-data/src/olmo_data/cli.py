@@ -103,15 +103,37 @@ def _inspect(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    console.print(f"[bold]{info['name']}[/] {info['mixture']}\nfingerprint {info['fingerprint']}  seed {info['seed']}  "
-                  f"sequence {info['sequence_length']}  instances/mixture epoch {info['instances_per_mixture_epoch']}")
-    table = Table("source", "files", "tokens", "docs", "instances", "target", "realised", "epochs/mix-epoch",
-                  "max rep", "mix-epochs allowed", title="training sources")
+    console.print(
+        f"[bold]{info['name']}[/] {info['mixture']}\nfingerprint {info['fingerprint']}  seed {info['seed']}  "
+        f"sequence {info['sequence_length']}  instances/mixture epoch {info['instances_per_mixture_epoch']}"
+    )
+    table = Table(
+        "source",
+        "files",
+        "tokens",
+        "docs",
+        "instances",
+        "target",
+        "realised",
+        "epochs/mix-epoch",
+        "max rep",
+        "mix-epochs allowed",
+        title="training sources",
+    )
     for s in info["sources"]:
         allowed = "-" if s["mixture_epochs_allowed"] is None else f"{s['mixture_epochs_allowed']:.3g}"
-        table.add_row(s["name"], str(s["files"]), f"{s['tokens']:,}", f"{s['docs']:,}", f"{s['instances']:,}",
-                      f"{s['target_ratio']:.4f}", f"{s['realised_ratio']:.4f}",
-                      f"{s['source_epochs_per_mixture_epoch']:.3f}", str(s["max_repetition"] or "-"), allowed)
+        table.add_row(
+            s["name"],
+            str(s["files"]),
+            f"{s['tokens']:,}",
+            f"{s['docs']:,}",
+            f"{s['instances']:,}",
+            f"{s['target_ratio']:.4f}",
+            f"{s['realised_ratio']:.4f}",
+            f"{s['source_epochs_per_mixture_epoch']:.3f}",
+            str(s["max_repetition"] or "-"),
+            allowed,
+        )
     console.print(table)
     held = Table("held-out source", "tokens", "docs", "instances", "eval sequences", title="held-out sources")
     for h in info["held_out"]:
@@ -151,12 +173,24 @@ def _check_leakage(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
         return status
-    table = Table("held-out source", "docs", "exact copies", "docs with n-gram hits", "contaminated", "fraction",
-                  title=f"leakage ({report.ngram}-grams, {report.training_tokens:,} training tokens, "
-                        f"{report.seconds:.2f} s)")
+    table = Table(
+        "held-out source",
+        "docs",
+        "exact copies",
+        "docs with n-gram hits",
+        "contaminated",
+        "fraction",
+        title=f"leakage ({report.ngram}-grams, {report.training_tokens:,} training tokens, {report.seconds:.2f} s)",
+    )
     for h in report.held_out:
-        table.add_row(h.source, str(h.docs_checked), str(len(h.exact_matches)), str(len(h.ngram_hits)),
-                      str(len(h.contaminated_docs)), f"{h.fraction:.2%}")
+        table.add_row(
+            h.source,
+            str(h.docs_checked),
+            str(len(h.exact_matches)),
+            str(len(h.ngram_hits)),
+            str(len(h.contaminated_docs)),
+            f"{h.fraction:.2%}",
+        )
     console.print(table)
     return status
 

@@ -64,8 +64,16 @@ class MixtureLoader:
         log.info(
             "MixtureLoader %s: fingerprint %s seed %d, sequence %d, global batch %d, rank %d/%d, step %d, "
             "sources %s, slots per mixture epoch %s",
-            self.mixture.path, self.mixture.fingerprint()[:16], self.mixture.seed, self.mixture.sequence_length,
-            global_batch_size, dp_rank, dp_size, start_step, self.mixture.source_names, self.mixture.slots_per_epoch(),
+            self.mixture.path,
+            self.mixture.fingerprint()[:16],
+            self.mixture.seed,
+            self.mixture.sequence_length,
+            global_batch_size,
+            dp_rank,
+            dp_size,
+            start_step,
+            self.mixture.source_names,
+            self.mixture.slots_per_epoch(),
         )
 
     @property
@@ -114,8 +122,11 @@ class MixtureLoader:
                     message + "; restore the original data, or resume anyway with "
                     "--data.allow_fingerprint_mismatch=true (recipe field data.allow_fingerprint_mismatch)"
                 )
-            log.warning("!!! %s; continuing at step %d anyway because data.allow_fingerprint_mismatch=true !!!",
-                        message, state["step"])
+            log.warning(
+                "!!! %s; continuing at step %d anyway because data.allow_fingerprint_mismatch=true !!!",
+                message,
+                state["step"],
+            )
         if state["tokens_consumed"] != state["step"] * self.tokens_per_global_batch:
             raise DataError(
                 f"{where}: the checkpoint consumed {state['tokens_consumed']} tokens in {state['step']} steps, "

@@ -157,7 +157,11 @@ def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    if tokenizer.get_vocab_size() != vocab_size or tokenizer.token_to_id(EOS_TOKEN) != 0 or tokenizer.token_to_id(PAD_TOKEN) != 1:
+    if (
+        tokenizer.get_vocab_size() != vocab_size
+        or tokenizer.token_to_id(EOS_TOKEN) != 0
+        or tokenizer.token_to_id(PAD_TOKEN) != 1
+    ):
         raise DataError(
             f"sample tokenizer: got vocab {tokenizer.get_vocab_size()} (eos {tokenizer.token_to_id(EOS_TOKEN)}), "
             f"need {vocab_size} with eos 0 and pad 1; train on more text"
@@ -281,8 +285,15 @@ def build_sample(target: Path) -> dict:
     train_tokens = {name: encode(train) for name, (train, _) in split.items()}
     # The leakage check hashes the training token stream, windows across document ends
     # included, so hash the same stream here.
-    train_hashes = unique_sorted(np.concatenate([ngram_hashes(np.concatenate(t), NGRAM) for t in train_tokens.values()]))
-    record: dict = {"version": SAMPLE_VERSION, "python_version": python_version(), "recipe": recipe_hash(), "sources": {}}
+    train_hashes = unique_sorted(
+        np.concatenate([ngram_hashes(np.concatenate(t), NGRAM) for t in train_tokens.values()])
+    )
+    record: dict = {
+        "version": SAMPLE_VERSION,
+        "python_version": python_version(),
+        "recipe": recipe_hash(),
+        "sources": {},
+    }
     for name, (train, held) in split.items():
         held_tokens = encode(held)
         clean = [f for t in held_tokens for f in _clean_fragments(t, train_hashes)]
@@ -378,18 +389,33 @@ def sample_main(argv: list[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    parser = argparse.ArgumentParser(prog="olmo-data sample", description="Build (once) and locate the embedded sample.")
+    parser = argparse.ArgumentParser(
+        prog="olmo-data sample", description="Build (once) and locate the embedded sample."
+    )
     parser.add_argument("--rebuild", action="store_true", help="build again even if a current cache exists")
     args = parser.parse_args(argv)
     path = sample_mixture_path(rebuild=args.rebuild)
     record = json.loads((path.parent / "build.json").read_text())
-    table = Table(title=f"olmo-data sample ({record['content_fingerprint'][:19]}..., built in {record['build_seconds']} s)")
-    for col in ("source", "train docs", "train tokens", "held-out fragments", "held-out tokens", "tokens cut (13-gram)"):
+    table = Table(
+        title=f"olmo-data sample ({record['content_fingerprint'][:19]}..., built in {record['build_seconds']} s)"
+    )
+    for col in (
+        "source",
+        "train docs",
+        "train tokens",
+        "held-out fragments",
+        "held-out tokens",
+        "tokens cut (13-gram)",
+    ):
         table.add_column(col, justify="right")
     for name, s in record["sources"].items():
         table.add_row(
-            name, f"{s['train_docs']:,}", f"{s['train_tokens']:,}", f"{s['held_out_fragments']:,}",
-            f"{s['held_out_tokens']:,}", f"{s['held_out_tokens_dropped_by_decontamination']:,}",
+            name,
+            f"{s['train_docs']:,}",
+            f"{s['train_tokens']:,}",
+            f"{s['held_out_fragments']:,}",
+            f"{s['held_out_tokens']:,}",
+            f"{s['held_out_tokens_dropped_by_decontamination']:,}",
         )
     Console(stderr=True).print(table)
     print(path)

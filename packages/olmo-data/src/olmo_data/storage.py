@@ -102,7 +102,9 @@ class RawTokenFile:
         self.path = str(path)
         self.dtype = check_dtype(dtype, self.path)
         if eos_token_id is None:
-            raise DataError(f"{self.path}: raw token files need eos_token_id to find documents; pass it (mixture: eos_token_id)")
+            raise DataError(
+                f"{self.path}: raw token files need eos_token_id to find documents; pass it (mixture: eos_token_id)"
+            )
         self.eos_token_id = int(eos_token_id)
         try:
             size = os.path.getsize(self.path)

@@ -168,7 +168,9 @@ def _documents(unit: Unit, opts: Options) -> Iterator[str]:
             raise DataError(f"{unit.paths[0]}: reading parquet needs pyarrow; install it or convert to jsonl") from None
         table = pq.read_table(unit.paths[0])
         if opts.text_field not in table.column_names:
-            raise DataError(f"{unit.paths[0]}: no column {opts.text_field!r} (has {table.column_names}); pass --text-field")
+            raise DataError(
+                f"{unit.paths[0]}: no column {opts.text_field!r} (has {table.column_names}); pass --text-field"
+            )
         yield from table.column(opts.text_field).to_pylist()
     elif unit.kind == "txt-lines":
         with open(unit.paths[0], encoding="utf-8") as f:
@@ -303,12 +305,20 @@ def tokenize_main(argv: list[str]) -> int:
         hub_split=args.split,
     )
     os.makedirs(args.output, exist_ok=True)
-    units = plan_units(args.input, args.docs_per_shard, args.txt_per_line, args.split)[args.shard_index :: args.num_shards]
+    units = plan_units(args.input, args.docs_per_shard, args.txt_per_line, args.split)[
+        args.shard_index :: args.num_shards
+    ]
 
     console = Console(stderr=True)
     totals = {"docs": 0, "tokens": 0, "tokenized": 0, "written": 0, "skipped": 0}
     t0 = time.perf_counter()
-    columns = (TextColumn("tokenize"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[docs]} docs"), TimeElapsedColumn())
+    columns = (
+        TextColumn("tokenize"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[docs]} docs"),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("units", total=len(units), docs=0)
         work = [(u, opts) for u in units]
@@ -337,8 +347,13 @@ def tokenize_main(argv: list[str]) -> int:
     for col in ("units", "docs", "tokens", "shards written", "shards skipped", "seconds", "tokens/s (new)"):
         table.add_column(col, justify="right")
     table.add_row(
-        str(len(units)), f"{totals['docs']:,}", f"{totals['tokens']:,}", str(totals["written"]),
-        str(totals["skipped"]), f"{seconds:.1f}", f"{totals['tokenized'] / max(seconds, 1e-9):,.0f}",
+        str(len(units)),
+        f"{totals['docs']:,}",
+        f"{totals['tokens']:,}",
+        str(totals["written"]),
+        str(totals["skipped"]),
+        f"{seconds:.1f}",
+        f"{totals['tokenized'] / max(seconds, 1e-9):,.0f}",
     )
     console.print(table)
     return 0

@@ -25,6 +25,43 @@ from .schedules import (
     StitchedCosineSchedule,
     WSDSchedule,
 )
-from .spec import FULL, SLIDING, MoESpec, ModelSpec, YarnSpec
+from .spec import FULL, SLIDING, ModelSpec, MoESpec, YarnSpec
+
+__all__ = [
+    "FULL",
+    "PEAKS",
+    "PRESETS",
+    "SLIDING",
+    "ConstantSchedule",
+    "CosineSchedule",
+    "DevicePeak",
+    "HFLayoutError",
+    "LinearSchedule",
+    "ModelSpec",
+    "MoESpec",
+    "ParamCounts",
+    "Schedule",
+    "SpecError",
+    "StitchedCosineSchedule",
+    "UnknownDeviceError",
+    "WSDSchedule",
+    "YarnSpec",
+    "attention_flops_per_token",
+    "describe",
+    "flops_per_token",
+    "fp32_mean_tolerance",
+    "get_preset",
+    "hf_config",
+    "hf_param_shapes",
+    "load_spec",
+    "mean_keys_per_query",
+    "mfu",
+    "param_counts",
+    "resolve_device_kind",
+    "spec_from_dict",
+    "spec_from_hf_config",
+    "training_state_bytes",
+    "validate_hf_tensors",
+]
 
 __version__ = "0.1.0"

@@ -79,8 +79,13 @@ def main(argv: list[str] | None = None) -> int:
             spec = get_preset(name)
             moe = f"{spec.moe.n_experts}e top-{spec.moe.top_k}" if spec.moe else "-"
             table.add_row(
-                name, str(spec.d_model), str(spec.n_layers), str(spec.n_heads), str(spec.kv_heads),
-                str(spec.mlp_hidden), moe,
+                name,
+                str(spec.d_model),
+                str(spec.n_layers),
+                str(spec.n_heads),
+                str(spec.kv_heads),
+                str(spec.mlp_hidden),
+                moe,
             )
         console.print(table)
         return 0

@@ -215,8 +215,7 @@ def _unexpected_fix(spec: ModelSpec, name: str) -> str:
                 "build it with olmo_model.hf_moe.spec_from_olmoe_config"
             )
         return (
-            "transformers' fused OLMoE expert layout: "
-            "split each layer with olmo_model.hf_moe.block_tensors_from_olmoe"
+            "transformers' fused OLMoE expert layout: split each layer with olmo_model.hf_moe.block_tensors_from_olmoe"
         )
     if suffix == "input_layernorm.weight":
         return (

@@ -35,13 +35,24 @@ def _check_expressible(spec: ModelSpec) -> None:
     if moe is None:
         raise SpecError("olmoe_config: the spec has no moe section; dense specs use olmo_model.hf_config (Olmo3)")
     problems = [
-        (spec.norm_placement != "pre", f"norm_placement='{spec.norm_placement}'",
-         "use 'pre' (OLMoE normalises the sublayer inputs)"),
-        (moe.n_shared_experts > 0, f"moe.n_shared_experts={moe.n_shared_experts}", "set it to 0 (OLMoE has no shared expert)"),
+        (
+            spec.norm_placement != "pre",
+            f"norm_placement='{spec.norm_placement}'",
+            "use 'pre' (OLMoE normalises the sublayer inputs)",
+        ),
+        (
+            moe.n_shared_experts > 0,
+            f"moe.n_shared_experts={moe.n_shared_experts}",
+            "set it to 0 (OLMoE has no shared expert)",
+        ),
         (moe.gating != "softmax", f"moe.gating='{moe.gating}'", "use softmax (OLMoE's router)"),
         (moe.layers is not None, "moe.layers is set", "make every layer MoE (null), as in OLMoE"),
         (SLIDING in spec.layer_types, "sliding-window layers", "set sliding_window: null (OLMoE attends globally)"),
-        (spec.qk_norm != "full", f"qk_norm='{spec.qk_norm}'", "use 'full' (OLMoE normalises q and k over the full width)"),
+        (
+            spec.qk_norm != "full",
+            f"qk_norm='{spec.qk_norm}'",
+            "use 'full' (OLMoE normalises q and k over the full width)",
+        ),
         (spec.yarn is not None, "yarn", "remove yarn (OLMoE's config here uses default RoPE)"),
     ]
     for bad, what, fix in problems:
@@ -96,7 +107,9 @@ def spec_from_olmoe_config(cfg: Mapping[str, Any], source: str = "config.json") 
     if cfg.get("hidden_act", "silu") != "silu":
         raise SpecError(f"{source}: hidden_act '{cfg['hidden_act']}' is not silu (SwiGLU experts)")
     if cfg.get("clip_qkv") is not None:
-        raise SpecError(f"{source}: clip_qkv={cfg['clip_qkv']} has no place in the spec; use a checkpoint trained without it")
+        raise SpecError(
+            f"{source}: clip_qkv={cfg['clip_qkv']} has no place in the spec; use a checkpoint trained without it"
+        )
     if cfg.get("tie_word_embeddings"):
         raise SpecError(f"{source}: tie_word_embeddings=true, but the spec has an untied output head")
     rope = cfg.get("rope_parameters") or {}
@@ -162,7 +175,9 @@ def olmoe_block_tensors(tensors: Mapping[str, np.ndarray], spec: ModelSpec, laye
         return np.asarray(tensors[p + name])
 
     experts = range(moe.n_experts)
-    gate_up = np.stack([np.concatenate([get(f"experts.{e}.gate_proj.weight"), get(f"experts.{e}.up_proj.weight")]) for e in experts])
+    gate_up = np.stack(
+        [np.concatenate([get(f"experts.{e}.gate_proj.weight"), get(f"experts.{e}.up_proj.weight")]) for e in experts]
+    )
     down = np.stack([get(f"experts.{e}.down_proj.weight") for e in experts])
     return {"gate.weight": get("gate.weight"), "experts.gate_up_proj": gate_up, "experts.down_proj": down}
 
@@ -241,6 +256,8 @@ def tensors_from_olmoe(state: Mapping[str, np.ndarray], spec: ModelSpec) -> dict
         out[_rename_norm(name, back)] = np.asarray(value)
     for layer in range(spec.n_layers):
         if layer not in blocks:
-            raise SpecError(f"tensors_from_olmoe: layer {layer} has no mlp tensors; the spec has {spec.n_layers} layers")
+            raise SpecError(
+                f"tensors_from_olmoe: layer {layer} has no mlp tensors; the spec has {spec.n_layers} layers"
+            )
         out.update(block_tensors_from_olmoe(blocks[layer], spec, layer))
     return out

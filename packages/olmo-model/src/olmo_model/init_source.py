@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 from .hf import hf_param_shapes, spec_from_hf_config
 from .presets import SpecError
 from .recipe import Recipe, RecipeError
@@ -49,7 +50,9 @@ class InitSource:
 
     def describe(self) -> str:
         what = "weights and optimizer state" if self.load_optimizer else "weights only"
-        where = f"HF folder {self.path}" if self.is_hf else f"{self.framework} checkpoint {self.path} (step {self.step})"
+        where = (
+            f"HF folder {self.path}" if self.is_hf else f"{self.framework} checkpoint {self.path} (step {self.step})"
+        )
         note = f"; model changes: {', '.join(self.changed)}" if self.changed else ""
         return f"initialised from {where}, {what}{note}"
 
@@ -64,7 +67,9 @@ def resolve_checkpoint(path: Path) -> tuple[int, Path]:
         meta = read_meta(path)
         return int(meta["step"]), path
     if path.name.startswith("step_") and path.is_dir():
-        raise TrainingStateError(f"{path}: no meta.json, so the save never finished; use an earlier complete checkpoint")
+        raise TrainingStateError(
+            f"{path}: no meta.json, so the save never finished; use an earlier complete checkpoint"
+        )
     if (path / "checkpoints").is_dir():
         return _latest(path, str(path))
     raise TrainingStateError(
@@ -101,7 +106,9 @@ def _hf_spec(folder: Path, source: str) -> ModelSpec | None:
     """The model of an HF folder's config.json; None without one (the trainer then checks the
     tensors' names and shapes against the recipe's model as it loads them)."""
     if not folder.is_dir() or not list(folder.glob("*.safetensors")):
-        raise TrainingStateError(f"init.checkpoint={source}: {folder} holds no *.safetensors; point it at an HF model folder")
+        raise TrainingStateError(
+            f"init.checkpoint={source}: {folder} holds no *.safetensors; point it at an HF model folder"
+        )
     config = folder / "config.json"
     if not config.is_file():
         return None

@@ -100,6 +100,7 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
 
 # ---- peak table and MFU ---------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DevicePeak:
     kind: str

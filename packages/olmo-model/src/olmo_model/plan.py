@@ -121,9 +121,7 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
     layout = batch_layout(global_batch, dp, recipe.train.micro_batch_size)
     n = param_counts(spec).total
     state = n * 16 / shard
-    biggest_block = max(
-        (param_counts(spec).total - param_counts(spec).embedding) / spec.n_layers, 1.0
-    )
+    biggest_block = max((param_counts(spec).total - param_counts(spec).embedding) / spec.n_layers, 1.0)
     gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
     tokens_micro = layout.per_device_batch * seq
     per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes

@@ -99,10 +99,7 @@ def spec_from_dict(data: dict[str, Any], source: str = "spec") -> ModelSpec:
 
 def preset_dict(name: str) -> dict[str, Any]:
     if name not in PRESETS:
-        raise SpecError(
-            f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)} "
-            "(or pass a YAML/JSON spec file)"
-        )
+        raise SpecError(f"unknown preset '{name}'; choose one of: {', '.join(PRESETS)} (or pass a YAML/JSON spec file)")
     return {"name": name, **PRESETS[name]}
 
 

@@ -194,6 +194,7 @@ class Recipe(_Section):
 
 # ---- batch layout -----------------------------------------------------------------------
 
+
 class BatchLayout(BaseModel):
     model_config = ConfigDict(frozen=True)
     global_batch: int  # sequences per optimizer step
@@ -233,6 +234,7 @@ def batch_layout(global_batch: int, dp_size: int, micro_batch_size: int | None =
 
 
 # ---- loading and overrides ----------------------------------------------------------------
+
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     keys = dotted.split(".")

@@ -30,12 +30,13 @@ import math
 import numpy as np
 
 from .hf import hf_param_shapes
-from .spec import MoESpec, ModelSpec
+from .spec import ModelSpec, MoESpec
 
 Params = dict[str, np.ndarray]
 
 
 # ---- initialisation -------------------------------------------------------------------
+
 
 def init_params(spec: ModelSpec, seed: int = 0) -> Params:
     """Olmo 3 init for tests: truncated normal (std spec.init_std, cut at
@@ -76,6 +77,7 @@ def _check_params(spec: ModelSpec, params: Params) -> None:
 
 # ---- building blocks ------------------------------------------------------------------
 
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
@@ -105,9 +107,7 @@ def rope_inv_freq(spec: ModelSpec, layer: int) -> tuple[np.ndarray, float]:
         return 1.0 / pos_freqs, 1.0
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-            2 * math.log(theta)
-        )
+        return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
     high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
@@ -231,6 +231,7 @@ def moe_block(moe: MoESpec, p: Params, prefix: str, x: np.ndarray) -> tuple[np.n
 
 # ---- the model ------------------------------------------------------------------------
 
+
 def forward_with_aux(spec: ModelSpec, params: Params, input_ids: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
     """Logits float64 [B, S, padded_vocab] and, for MoE specs, the unweighted auxiliary
     losses averaged over the MoE layers (keys load_balancing_loss, router_z_loss; empty
@@ -266,7 +267,9 @@ def forward_with_aux(spec: ModelSpec, params: Params, input_ids: np.ndarray) -> 
             lb_losses.append(lb)
             z_losses.append(z)
         else:
-            m = swiglu(y, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"])
+            m = swiglu(
+                y, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"]
+            )
         x = x + (m if pre_norm else rms_norm(m, mlp_norm, eps))
     x = rms_norm(x, p["model.norm.weight"], eps)
     logits = x @ p["lm_head.weight"].T

@@ -35,9 +35,22 @@ from .spec import ModelSpec
 
 # Keys of a "train" metrics line; both trainers write exactly these (plus optional extras).
 TRAIN_KEYS = (
-    "kind", "step", "loss", "ce_loss", "z_loss", "lr", "grad_norm", "skipped", "tokens_seen",
-    "tokens_per_second", "tokens_per_second_per_device", "tflops_per_device", "mfu", "mfu_peak",
-    "step_time", "time",
+    "kind",
+    "step",
+    "loss",
+    "ce_loss",
+    "z_loss",
+    "lr",
+    "grad_norm",
+    "skipped",
+    "tokens_seen",
+    "tokens_per_second",
+    "tokens_per_second_per_device",
+    "tflops_per_device",
+    "mfu",
+    "mfu_peak",
+    "step_time",
+    "time",
 )
 
 
@@ -179,7 +192,8 @@ def checkpoint_files(ckpt: Path) -> dict[str, dict[str, Any]]:
     """{path relative to ckpt: {"bytes", "sha256"}} of every file in the checkpoint except
     meta.json, which records them, and its write_atomic temporaries."""
     paths = sorted(
-        p for p in ckpt.rglob("*")
+        p
+        for p in ckpt.rglob("*")
         if p.is_file() and not (p.parent == ckpt and (p.name == META_FILE or p.name.startswith(f".{META_FILE}.tmp-")))
     )
     return {
@@ -290,18 +304,29 @@ def _maths_changes(
         # under both (warmup, a constant LR, WSD's stable phase): the run is then exactly what
         # the new recipe would have produced. Elsewhere it bends the curve mid-run.
         sched, peak = recipe.schedule, recipe.optim.lr
-        first = next((s for s in range(1, step + 1)
-                      if sched.lr(s, peak, old_total) != sched.lr(s, peak, new_total)), None)
+        first = next(
+            (s for s in range(1, step + 1) if sched.lr(s, peak, old_total) != sched.lr(s, peak, new_total)), None
+        )
         key = "train.steps" if recipe.train.steps is not None else "train.tokens (in steps)"
         if first is None:
-            print(f"{key}: {old_total} -> {new_total}; the {sched.kind} schedule gave steps 1-{step} the same "
-                  "LR under both, so the run continues as if planned that way", flush=True)
+            print(
+                f"{key}: {old_total} -> {new_total}; the {sched.kind} schedule gave steps 1-{step} the same "
+                "LR under both, so the run continues as if planned that way",
+                flush=True,
+            )
         else:
-            changes.append((key, old_total, new_total, (
-                f", which changes the LR the {sched.kind} schedule gives the {step} steps already taken "
-                f"(step {first}: {sched.lr(first, peak, new_total):.4g} instead of "
-                f"{sched.lr(first, peak, old_total):.4g})"
-            )))
+            changes.append(
+                (
+                    key,
+                    old_total,
+                    new_total,
+                    (
+                        f", which changes the LR the {sched.kind} schedule gives the {step} steps already taken "
+                        f"(step {first}: {sched.lr(first, peak, new_total):.4g} instead of "
+                        f"{sched.lr(first, peak, old_total):.4g})"
+                    ),
+                )
+            )
     return changes
 
 
@@ -320,8 +345,10 @@ def check_recipe_continues(
             "--checkpoint.allow_recipe_change=true to continue anyway"
         )
     for key, old, new, why in changes:
-        loud(f"{ckpt}: {key} changed from {old!r} to {new!r}{why}; "
-             "continuing because checkpoint.allow_recipe_change=true")
+        loud(
+            f"{ckpt}: {key} changed from {old!r} to {new!r}{why}; "
+            "continuing because checkpoint.allow_recipe_change=true"
+        )
 
 
 def commit_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
@@ -397,8 +424,10 @@ def _newest_verified(run_dir: Path, done: list[tuple[int, Path]], fallback: bool
                 f"checkpoint that verifies), or restore {damaged[0][0].name} from a copy"
             )
         for bad, err in damaged:
-            loud(f"{bad.name} skipped: {err}; resuming from {ckpt.name} (step {step}) because "
-                 f"checkpoint.fallback=true; {bad.name} is deleted when this run commits its first checkpoint")
+            loud(
+                f"{bad.name} skipped: {err}; resuming from {ckpt.name} (step {step}) because "
+                f"checkpoint.fallback=true; {bad.name} is deleted when this run commits its first checkpoint"
+            )
         return step, ckpt, meta
     raise CheckpointDamagedError(
         f"{damaged[0][1]}; no older checkpoint of {run_dir} verifies either: restore one from a copy, "
@@ -462,7 +491,10 @@ class ProgressConsole:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(
-                TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
                 TextColumn("{task.fields[info]}"),
             )
             self.task = self.progress.add_task("train", total=self.total, completed=self.start, info="")
@@ -476,6 +508,7 @@ class ProgressConsole:
 
 
 # ---- spike guard ------------------------------------------------------------------------------
+
 
 @dataclass
 class SpikeGuard:
@@ -494,8 +527,13 @@ class SpikeGuard:
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> SpikeGuard:
         g = recipe.spike_guard
-        return cls(enabled=g.enabled, window=g.window, sigma=g.sigma, min_history=g.min_history,
-                   max_consecutive_skips=g.max_consecutive_skips)
+        return cls(
+            enabled=g.enabled,
+            window=g.window,
+            sigma=g.sigma,
+            min_history=g.min_history,
+            max_consecutive_skips=g.max_consecutive_skips,
+        )
 
     def decide(self, step: int, loss: float, grad_norm: float) -> bool:
         """True when this step's update must be skipped. Raises TrainingDivergedError for a
@@ -566,6 +604,7 @@ def refuse_non_finite_state(step: int, run_dir: Path) -> None:
 
 
 # ---- metrics --------------------------------------------------------------------------------
+
 
 class MetricsLog:
     """Appends JSON lines to RUN/metrics.jsonl. On resume, lines past the resumed step are

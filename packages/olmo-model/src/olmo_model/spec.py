@@ -61,10 +61,7 @@ class MoESpec(_Frozen):
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.n_experts:
-            raise ValueError(
-                f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; "
-                "set top_k <= n_experts"
-            )
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; set top_k <= n_experts")
         return self
 
     @property
@@ -112,9 +109,7 @@ class ModelSpec(_Frozen):
             window = data.get("sliding_window", cls.model_fields["sliding_window"].default)
             if isinstance(n, int) and n > 0:
                 data = dict(data)
-                data["layer_types"] = tuple(
-                    FULL if (window is None or i % 4 == 3) else SLIDING for i in range(n)
-                )
+                data["layer_types"] = tuple(FULL if (window is None or i % 4 == 3) else SLIDING for i in range(n))
         return data
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
 from olmo_data import Mixture, MixtureLoader, open_training_mixture
 from olmo_model import ModelSpec, flops_per_token, mfu
 from olmo_model.init_source import InitSource, resolve_init
@@ -192,7 +193,11 @@ class Run:
             before = meta.get("layout")
             console.line(
                 f"resumed from {ckpt} at step {step}"
-                + (f" (written with {BatchLayout(**before).describe()}; now {plan.layout.describe()})" if before else "")
+                + (
+                    f" (written with {BatchLayout(**before).describe()}; now {plan.layout.describe()})"
+                    if before
+                    else ""
+                )
             )
         elif plan.init is not None:
             console.line(plan.init.describe())
@@ -203,20 +208,36 @@ class Run:
         tps = self.tokens_per_step / step_time
         peak, label = self.module.peak
         values = (
-            "train", step, result.loss, result.ce_loss, result.z_loss, lr, result.grad_norm, result.skipped,
-            step * self.tokens_per_step, tps, tps / n, self.flops_per_token * tps / n / 1e12,
-            mfu(self.plan.spec, self.plan.sequence_length, tps / n, peak_flops_per_device=peak), label,
-            step_time, time.time() - self.started,
+            "train",
+            step,
+            result.loss,
+            result.ce_loss,
+            result.z_loss,
+            lr,
+            result.grad_norm,
+            result.skipped,
+            step * self.tokens_per_step,
+            tps,
+            tps / n,
+            self.flops_per_token * tps / n / 1e12,
+            mfu(self.plan.spec, self.plan.sequence_length, tps / n, peak_flops_per_device=peak),
+            label,
+            step_time,
+            time.time() - self.started,
         )
         return {**dict(zip(TRAIN_KEYS, values, strict=True)), **result.extra}
 
     def save(self, step: int) -> None:
         if not self.module.state_is_finite():
             refuse_non_finite_state(step, self.plan.run_dir)
-        extra = {"spike_guard": self.guard.state_dict(), "layout": self.plan.layout.model_dump(),
-                 **self.module.checkpoint_extra()}
-        meta = training_meta(self.module.framework, step, self.plan.spec, self.recipe,
-                             self.plan.loader.state_dict(), extra)
+        extra = {
+            "spike_guard": self.guard.state_dict(),
+            "layout": self.plan.layout.model_dump(),
+            **self.module.checkpoint_extra(),
+        }
+        meta = training_meta(
+            self.module.framework, step, self.plan.spec, self.recipe, self.plan.loader.state_dict(), extra
+        )
         self.module.save(step, meta)
 
     def evaluate(self, step: int) -> None:
@@ -225,16 +246,18 @@ class Run:
         result = self.module.evaluate()
         allowed = {"leakage_allowed": True} if self.recipe.data.allow_leakage else {}
         self.metrics.write({"kind": "eval", "step": step, "eval": result, **allowed})
-        self.console.line(f"eval step {step}: " + ", ".join(
-            f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items()
-        ))
+        self.console.line(
+            f"eval step {step}: "
+            + ", ".join(f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items())
+        )
 
     def log(self, step: int, lr: float, result: StepResult, step_time: float) -> None:
         record = self.train_record(step, lr, result, step_time)
         self.metrics.write(record)
         self.console.line(
             f"step {step}/{self.plan.total_steps} loss {result.loss:.4f} lr {lr:.3e} grad_norm {result.grad_norm:.3f}"
-            f" {record['tokens_per_second']:,.0f} tok/s mfu {record['mfu']:.1%}" + (" SKIPPED" if result.skipped else "")
+            f" {record['tokens_per_second']:,.0f} tok/s mfu {record['mfu']:.1%}"
+            + (" SKIPPED" if result.skipped else "")
         )
 
     def loop(self) -> None:

@@ -73,10 +73,16 @@ def _block_mask(i: int, block: int, window: int | None, doc_ids: jax.Array | Non
 
 def _scores(q_i, k_r, scale, mask):
     # q_i [B, K, G, b, H], k_r [B, K, T, H] -> [B, K, G, b, T] float32
-    s = jnp.einsum(
-        "bkgqh,bkth->bkgqt", q_i, k_r,
-        preferred_element_type=jnp.float32, precision=matmul_precision(q_i.dtype),
-    ) * scale
+    s = (
+        jnp.einsum(
+            "bkgqh,bkth->bkgqt",
+            q_i,
+            k_r,
+            preferred_element_type=jnp.float32,
+            precision=matmul_precision(q_i.dtype),
+        )
+        * scale
+    )
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -92,14 +98,17 @@ def _forward(q, k, v, doc_ids, window, block):
         s = _scores(q_i, k[:, :, start:end], scale, _block_mask(i, block, window, doc_ids))
         m = jnp.max(s, axis=-1, keepdims=True)
         e = jnp.exp(s - m)
-        l = jnp.sum(e, axis=-1, keepdims=True)
+        row_sum = jnp.sum(e, axis=-1, keepdims=True)
         # Normalised after the value matmul ([b, H] per query, not [b, keys]): one pass fewer.
         pv = jnp.einsum(
-            "bkgqt,bkth->bkgqh", e.astype(v.dtype), v[:, :, start:end], preferred_element_type=jnp.float32,
+            "bkgqt,bkth->bkgqh",
+            e.astype(v.dtype),
+            v[:, :, start:end],
+            preferred_element_type=jnp.float32,
             precision=prec,
         )
-        outs.append(pv / l)
-        lses.append((m + jnp.log(l))[..., 0])
+        outs.append(pv / row_sum)
+        lses.append((m + jnp.log(row_sum))[..., 0])
     return jnp.concatenate(outs, axis=3).astype(q.dtype), jnp.concatenate(lses, axis=3)
 
 
@@ -133,7 +142,9 @@ def _attend_bwd(window, block, residuals, do):
         s = _scores(q_i, k_r, scale, _block_mask(i, block, window, doc_ids))
         p = jnp.exp(s - lse[:, :, :, rows, None])
         dv = dv.at[:, :, :, start:end].add(
-            jnp.einsum("bkgqh,bkgqt->bkht", do_i, p.astype(do.dtype), preferred_element_type=jnp.float32, precision=prec)
+            jnp.einsum(
+                "bkgqh,bkgqt->bkht", do_i, p.astype(do.dtype), preferred_element_type=jnp.float32, precision=prec
+            )
         )
         dp = jnp.einsum("bkgqh,bkth->bkgqt", do_i, v_r, preferred_element_type=jnp.float32, precision=prec)
         ds = (p * (dp - delta[:, :, :, rows, None]) * scale).astype(q.dtype)
@@ -149,8 +160,13 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def blocked_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, window: int | None = None, doc_ids: jax.Array | None = None,
-    block: int | None = None, batch_loop: int = 0,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    window: int | None = None,
+    doc_ids: jax.Array | None = None,
+    block: int | None = None,
+    batch_loop: int = 0,
 ) -> jax.Array:
     """Causal attention, q [B, S, N, H], k/v [B, S, K, H] (K divides N), ``window`` keys per
     query including itself (None: global), ``doc_ids`` [B, S] keeps queries in their document.

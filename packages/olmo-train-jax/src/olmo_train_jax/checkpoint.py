@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
 from olmo_model.runlog import TrainingStateError, checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
 
 STATE_DIR = "state"

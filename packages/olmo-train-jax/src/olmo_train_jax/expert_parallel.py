@@ -71,8 +71,8 @@ def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tup
     # Row r*n_assign + i of the send buffer is the i-th assignment for expert rank r; the
     # id column carries its local expert, padding gets the id local_experts_n (sorted last).
     send = jnp.zeros((ep, n_assign, d), x.dtype).at[dest, position].set(x[order // k])
-    send_ids = jnp.full((ep, n_assign), local_experts_n, jnp.int32).at[dest, position].set(
-        sorted_experts % local_experts_n
+    send_ids = (
+        jnp.full((ep, n_assign), local_experts_n, jnp.int32).at[dest, position].set(sorted_experts % local_experts_n)
     )
     recv = jax.lax.all_to_all(send.reshape(ep * n_assign, d), EXPERT_AXIS, 0, 0, tiled=True)
     recv_ids = jax.lax.all_to_all(send_ids.reshape(ep * n_assign), EXPERT_AXIS, 0, 0, tiled=True)
@@ -117,9 +117,9 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
         else:
             body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8)
         expert_w = ExpertWeights(expert_split, expert_split, expert_split)
-        return jax.shard_map(
-            body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P())
-        )(x, experts, weights, w)
+        return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P()))(
+            x, experts, weights, w
+        )
 
     return experts_fn
 

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
 from olmo_model.maths import HEAD_CHUNK_BYTES
 
 from .precision import matmul_precision

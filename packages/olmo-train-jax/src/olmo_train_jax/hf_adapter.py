@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
 
 from .model import OlmoModel
@@ -132,8 +133,6 @@ def model_from_hf(
 ) -> OlmoModel:
     """A model holding the given HF weights; the random initialisation is only traced for shapes
     (nnx.eval_shape), never computed, so a large model costs one copy of its weights."""
-    model = nnx.eval_shape(
-        lambda: OlmoModel(spec, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, remat=remat)
-    )
+    model = nnx.eval_shape(lambda: OlmoModel(spec, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, remat=remat))
     load_hf(model, tensors, source=source)
     return model

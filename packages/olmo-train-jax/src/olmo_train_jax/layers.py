@@ -32,9 +32,7 @@ def _linear_fwd(x, w):
 def _linear_bwd(residuals, dy):
     x, w = residuals
     precision = matmul_precision(x.dtype)
-    dw = jnp.einsum(
-        "td,tf->df", x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), precision=precision
-    )
+    dw = jnp.einsum("td,tf->df", x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1]), precision=precision)
     return jnp.matmul(dy, w.T, precision=precision), dw
 
 

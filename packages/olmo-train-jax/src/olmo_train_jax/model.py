@@ -56,12 +56,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
 from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
 
 from .causal_attention import blocked_causal_attention
 from .layers import linear, rms_norm, swiglu_down
-from .precision import matmul_precision
 from .moe import ROUTING_MODES, ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
+from .precision import matmul_precision
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
 # block in the backward pass; "save_dots": also keep the weight-matmul outputs, recomputing
@@ -71,6 +72,7 @@ REMAT_POLICIES: dict[str, object] = {
     "block": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
+
 
 def _truncated_normal(rngs: nnx.Rngs, shape: tuple[int, ...], spec: ModelSpec, dtype) -> nnx.Param:
     cut = spec.init_cutoff
@@ -361,7 +363,10 @@ class OlmoModel(nnx.Module):
         if not head:
             return x, stats
         logits = jnp.einsum(
-            "bsd,dv->bsv", x, self.head_weight(), preferred_element_type=jnp.float32,
+            "bsd,dv->bsv",
+            x,
+            self.head_weight(),
+            preferred_element_type=jnp.float32,
             precision=matmul_precision(self.dtype),
         )
         return logits, stats
@@ -447,7 +452,9 @@ class OlmoModel(nnx.Module):
             return h + (mlp if pre_norm else rms_norm(mlp, w["post_feedforward_norm"], eps))
 
         if spec.moe is None:
-            return finish(swiglu_down(proj(m_in, "gate_proj"), proj(m_in, "up_proj"), w["down_proj"].astype(dtype))), None
+            return finish(
+                swiglu_down(proj(m_in, "gate_proj"), proj(m_in, "up_proj"), w["down_proj"].astype(dtype))
+            ), None
         routed = ExpertWeights(w["expert_gate_proj"], w["expert_up_proj"], w["expert_down_proj"])
         shared = None
         if spec.moe.n_shared_experts:
@@ -470,6 +477,4 @@ def build_model(
 ) -> OlmoModel:
     """A freshly initialised model: truncated normal (std ``init_std``, cut at
     +-``init_cutoff`` std) for every linear and the embedding, ones for the norms."""
-    return OlmoModel(
-        spec, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype, remat=remat, attention=attention
-    )
+    return OlmoModel(spec, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype, remat=remat, attention=attention)

@@ -49,6 +49,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from olmo_model import MoESpec
 
 from .layers import linear, swiglu_down
@@ -249,8 +250,13 @@ def gemm_backend(dtype, d_in: int, d_hidden: int) -> str:
     platform = jax.default_backend()
     if platform == "cpu":
         return "tiled"
-    if platform == "gpu" and _is_hopper() and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) \
-            and d_in % MGPU_ALIGN == 0 and d_hidden % MGPU_ALIGN == 0:
+    if (
+        platform == "gpu"
+        and _is_hopper()
+        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+        and d_in % MGPU_ALIGN == 0
+        and d_hidden % MGPU_ALIGN == 0
+    ):
         return "mgpu"
     return "ragged"
 
@@ -390,7 +396,12 @@ def combine(ys_flat: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def local_experts(
-    x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *, mxfp8: bool = False,
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    w: ExpertWeights,
+    *,
+    mxfp8: bool = False,
     gemm: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
     """The routed part with every expert on this device (an ``ExpertsFn`` as it stands;

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
 from olmo_model import ModelSpec
 from olmo_model.recipe import Recipe, RecipeError
 
@@ -65,9 +66,7 @@ def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
         )
     ep = sizes[EXPERT_AXIS]
     if n % ep:
-        raise RecipeError(
-            f"jax.mesh.expert={ep} does not divide the {n} devices; choose a divisor of {n}"
-        )
+        raise RecipeError(f"jax.mesh.expert={ep} does not divide the {n} devices; choose a divisor of {n}")
     fixed = math.prod(s for s in sizes.values() if s != -1)
     free = [axis for axis, s in sizes.items() if s == -1]
     if free:
@@ -125,6 +124,7 @@ def describe_mesh(mesh: Mesh) -> str:
 
 
 # ---- parameter placement -------------------------------------------------------------------
+
 
 def _tensor_axis(name: str, shape: tuple[int, ...], spec: ModelSpec, tensor: int) -> int | None:
     """Axis of a weight that tensor parallelism splits (heads / MLP hidden / vocab), if it divides."""
@@ -211,6 +211,7 @@ def state_shardings(state: Any, params_sharding: dict, mesh: Mesh) -> Any:
 
 
 # ---- batches -----------------------------------------------------------------------------
+
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """[accumulation, batch, seq] arrays: micro-steps unsplit, batch over (data, fsdp, expert)."""

@@ -54,6 +54,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
 from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import Recipe
 from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
@@ -62,8 +63,8 @@ from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
-from .hf_adapter import model_from_hf, validate_hf
 from .head_loss import head_loss_sums
+from .hf_adapter import model_from_hf, validate_hf
 from .model import build_model
 from .moe import MoEStats, aux_loss, moe_metrics
 
@@ -75,6 +76,7 @@ BATCH_KEYS = ("input_ids", "labels", "doc_ids")
 
 
 # ---- the maths of one step -----------------------------------------------------------------
+
 
 def token_loss_sums(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(sum of CE, sum of logsumexp^2, valid tokens) over labels != -100, in float32, from
@@ -317,6 +319,7 @@ def placed_step(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh_axes: d
 
 # ---- throughput reference --------------------------------------------------------------------
 
+
 def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
     """Best fp32 FLOP/s of a size x size matmul on one CPU device, in JAX: the honest CPU peak."""
     dev = jax.devices("cpu")[0]
@@ -343,6 +346,7 @@ def device_peak() -> tuple[float, str]:
 
 # ---- the run: the JAX side of olmo_run's driver ---------------------------------------------
 
+
 def train(recipe: Recipe) -> Path:
     """Run (or resume) the recipe's training job; returns the run dir."""
     sharding.initialize_distributed(recipe)
@@ -351,8 +355,12 @@ def train(recipe: Recipe) -> Path:
         print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
     mesh = sharding.make_mesh(recipe.jax.mesh)
     plan = plan_run(
-        recipe, FRAMEWORK, dp_size=sharding.dp_size(mesh), loader_rank=jax.process_index(),
-        loader_size=jax.process_count(), check_spec=partial(sharding.check_mesh_for_spec, mesh),
+        recipe,
+        FRAMEWORK,
+        dp_size=sharding.dp_size(mesh),
+        loader_rank=jax.process_index(),
+        loader_size=jax.process_count(),
+        check_spec=partial(sharding.check_mesh_for_spec, mesh),
     )
     init_tensors = None
     if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
@@ -360,8 +368,13 @@ def train(recipe: Recipe) -> Path:
         validate_hf(plan.spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
     if announce_finished(plan, is_main):
         return plan.run_dir
-    return run(plan, partial(JaxTrainModule, plan, mesh, init_tensors), is_main=is_main,
-               describe=[sharding.describe_mesh(mesh)], title=f"olmo-train-jax: {plan.run_dir}")
+    return run(
+        plan,
+        partial(JaxTrainModule, plan, mesh, init_tensors),
+        is_main=is_main,
+        describe=[sharding.describe_mesh(mesh)],
+        title=f"olmo-train-jax: {plan.run_dir}",
+    )
 
 
 def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
@@ -379,9 +392,7 @@ def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> di
     rows = batch["input_ids"].shape[0]
     spec = P(sharding.batch_axes(mesh), None) if rows % sharding.dp_size(mesh) == 0 else P()
     sh = NamedSharding(mesh, spec)
-    return {
-        k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS
-    }
+    return {k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS}
 
 
 class JaxTrainModule:
@@ -394,8 +405,14 @@ class JaxTrainModule:
         recipe, spec = plan.recipe, plan.spec
         self.plan, self.mesh = plan, mesh
         compute_dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
-        make_model = partial(build_model, spec, seed=recipe.train.seed, dtype=compute_dtype, remat=recipe.jax.remat,
-                             attention=recipe.jax.attention)
+        make_model = partial(
+            build_model,
+            spec,
+            seed=recipe.train.seed,
+            dtype=compute_dtype,
+            remat=recipe.jax.remat,
+            attention=recipe.jax.attention,
+        )
         prepared = for_mesh(nnx.eval_shape(make_model), spec, recipe, mesh)
         abstract_params = abstract_like(prepared.params, prepared.params_sh)
         abstract_opt = abstract_like(prepared.abstract_opt, prepared.opt_sh)
@@ -408,8 +425,9 @@ class JaxTrainModule:
             self.params, self.opt_state = _initial_state(plan, init_tensors, make_model, abstract_params, abstract_opt)
             if self.opt_state is None:
                 self.opt_state = jax.jit(prepared.tx.init, out_shardings=prepared.opt_sh)(self.params)
-        self.fns = make_step_functions(prepared.graphdef, spec, recipe, prepared.tx, prepared.params_sh,
-                                       prepared.opt_sh, mesh)
+        self.fns = make_step_functions(
+            prepared.graphdef, spec, recipe, prepared.tx, prepared.params_sh, prepared.opt_sh, mesh
+        )
         self.n_devices = jax.device_count()
         self.peak = device_peak()
         self.checkpointer = Checkpointer(plan.run_dir, recipe.checkpoint.keep, recipe.checkpoint.async_save)
@@ -425,8 +443,9 @@ class JaxTrainModule:
             grads, stats = self.fns.grads(self.params, batch, step)
             skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
             if not skipped:
-                self.params, self.opt_state = self.fns.apply(self.params, self.opt_state, grads,
-                                                             stats["grad_norm"], lr_arg)
+                self.params, self.opt_state = self.fns.apply(
+                    self.params, self.opt_state, grads, stats["grad_norm"], lr_arg
+                )
             del grads
         else:
             # The update is applied in the same program; a non-finite loss stops the run here,

@@ -31,13 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from olmo_model.runlog import (
-    TrainingStateError,
-    checkpoint_dir,
-    clean_orphans,
-    commit_checkpoint,
-    prune_checkpoints,
-)
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -45,6 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
+)
+
+from olmo_model.runlog import (
+    TrainingStateError,
+    checkpoint_dir,
+    clean_orphans,
+    commit_checkpoint,
+    prune_checkpoints,
 )
 
 from .parallelize import Distributed
@@ -126,9 +127,7 @@ class Checkpointer:
             self.wait()
 
 
-def load_checkpoint(
-    ckpt: Path, d: Distributed, model: nn.Module, optimizer: torch.optim.Optimizer | None
-) -> None:
+def load_checkpoint(ckpt: Path, d: Distributed, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load model (and optimizer unless None) from a DCP checkpoint onto the current layout."""
     if not (ckpt / ".metadata").exists():
         raise TrainingStateError(f"{ckpt}: no DCP .metadata; this is not a torch checkpoint (or it is damaged)")

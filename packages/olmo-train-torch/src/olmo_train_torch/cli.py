@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 
 import torch.distributed as dist
+
 from olmo_data import DataError
 from olmo_model import SpecError, UnknownDeviceError
 from olmo_model.recipe import RecipeError, load_recipe
@@ -54,4 +55,3 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-

@@ -152,9 +152,7 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
         moe.dispatcher = dispatcher
 
 
-def prepare_expert_parallel(
-    model: nn.Module, ep_group, dp_size: int, expert_dp_group=None
-) -> set[nn.Parameter]:
+def prepare_expert_parallel(model: nn.Module, ep_group, dp_size: int, expert_dp_group=None) -> set[nn.Parameter]:
     """Expert parallelism under a data-parallel wrapper that averages gradients over
     ``dp_size`` ranks (the averaged convention in the module doc): shard the experts over
     ``ep_group`` and hook their gradients. Returns the expert parameters, which the wrapper

@@ -20,6 +20,7 @@ the sums are computed.
 from __future__ import annotations
 
 import torch
+
 from olmo_model.maths import HEAD_CHUNK_BYTES
 
 IGNORE_INDEX = -100

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+
 from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
 
 from .model import OlmoModel
@@ -62,9 +63,7 @@ def hf_to_local_names(spec: ModelSpec) -> dict[str, tuple[str, int | None]]:
     return {name: _local_name(name) for name in hf_param_shapes(spec)}
 
 
-def to_hf(
-    model_or_state_dict: OlmoModel | Mapping[str, torch.Tensor], spec: ModelSpec
-) -> dict[str, torch.Tensor]:
+def to_hf(model_or_state_dict: OlmoModel | Mapping[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
     """The model's parameters under HF names (detached, same dtype/device, not copied)."""
     state = model_or_state_dict
     if isinstance(state, OlmoModel):

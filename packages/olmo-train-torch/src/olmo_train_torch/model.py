@@ -33,8 +33,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from olmo_model import ModelSpec, YarnSpec
 from torch import nn
+
+from olmo_model import ModelSpec, YarnSpec
 
 from .head_loss import head_loss_sums
 from .moe import GroupedExperts, MoE, RoutingStats
@@ -109,9 +110,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -163,9 +162,7 @@ class Block(nn.Module):
             return x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.attn_norm(self.attn(x, cos, sin, mask))
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         h = self._attend(x, cos, sin, mask)
         if self.pre_norm:
             return h + self.mlp(self.mlp_norm(h))

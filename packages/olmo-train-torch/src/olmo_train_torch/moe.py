@@ -63,9 +63,10 @@ from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from olmo_model import MoESpec
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from olmo_model import MoESpec
 
 RoutingMode = Literal["learned", "random", "uniform"]
 GemmBackend = Literal["auto", "grouped_mm", "loop"]
@@ -77,6 +78,7 @@ E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
 # ---- MXFP8 emulation ------------------------------------------------------------------
+
 
 def mxfp8_quantize(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """``t`` rounded through MXFP8 and back: blocks of 32 along ``dim`` share a scale
@@ -107,6 +109,7 @@ def _straight_through(t: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
 
 
 # ---- grouped GEMM ---------------------------------------------------------------------
+
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.dtype not in (torch.float32, torch.bfloat16) or w.dtype != x.dtype:
@@ -199,6 +202,7 @@ class SwiGLU(nn.Module):
 
 
 # ---- routing --------------------------------------------------------------------------
+
 
 class RoutingStats(NamedTuple):
     """One MoE layer's routing over this rank's tokens of one micro-batch (a NamedTuple, so
@@ -362,6 +366,7 @@ class MoE(nn.Module):
 
 # ---- aux losses and metrics -------------------------------------------------------------
 
+
 @dataclass
 class MoEAux:
     """Aux losses averaged over MoE layers, over the global micro-batch; their values are
@@ -403,21 +408,33 @@ def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
     lbs, zs, counts, dropped = [], [], [], []
     for s in stats:
         n_experts = s.tokens_per_expert.shape[0]
-        packed = torch.cat([
-            s.tokens_per_expert.float(),
-            s.prob_sum.float(),
-            torch.stack([s.z_sum.float(), s.z_sum.new_tensor(float(s.n_tokens)), s.z_sum.new_tensor(float(s.dropped))]),
-        ])
+        packed = torch.cat(
+            [
+                s.tokens_per_expert.float(),
+                s.prob_sum.float(),
+                torch.stack(
+                    [s.z_sum.float(), s.z_sum.new_tensor(float(s.n_tokens)), s.z_sum.new_tensor(float(s.dropped))]
+                ),
+            ]
+        )
         total = _global(packed, group)
         count, prob_sum, z_sum, n = (
-            total[:n_experts].detach(), total[n_experts : 2 * n_experts], total[-3], total[-2].detach()
+            total[:n_experts].detach(),
+            total[n_experts : 2 * n_experts],
+            total[-3],
+            total[-2].detach(),
         )
         dropped.append(total[-1].detach())
         f = count / (n * s.top_k)
         lbs.append(n_experts * (f * prob_sum / n).sum())
         zs.append(z_sum / n)
         counts.append(count.round().long())
-    return MoEAux(torch.stack(lbs).mean(), torch.stack(zs).mean(), torch.stack(counts).sum(0), torch.stack(dropped).sum().round().long())
+    return MoEAux(
+        torch.stack(lbs).mean(),
+        torch.stack(zs).mean(),
+        torch.stack(counts).sum(0),
+        torch.stack(dropped).sum().round().long(),
+    )
 
 
 def merge_micro_steps(terms: list[MoEAux]) -> MoEAux:

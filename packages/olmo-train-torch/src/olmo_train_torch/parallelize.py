@@ -42,13 +42,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from olmo_model import ModelSpec
-from olmo_model.recipe import RecipeError, TorchSection
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
+
+from olmo_model import ModelSpec
+from olmo_model.recipe import RecipeError, TorchSection
 
 from .expert_parallel import expert_mesh, ignore_in_ddp, prepare_expert_parallel
 

@@ -48,14 +48,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
 from olmo_data import MixtureLoader
 from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import BatchLayout, Recipe
 from olmo_model.runlog import SpikeGuard, perplexity
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import load_hf
@@ -81,6 +82,7 @@ CLIP_EPS = 1e-6
 
 
 # ---- the maths of one step -------------------------------------------------------------------
+
 
 def weight_decays(recipe: Recipe) -> dict[str, float]:
     """Weight decay per parameter group: every matrix decays (routed experts included); the
@@ -210,7 +212,9 @@ def train_step(
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
                 # Head + CE + z-loss fused over token chunks (head_loss.py): [objective, ce, z].
                 out = model(
-                    tensors["input_ids"][rows], doc_ids, return_moe_stats=spec.moe is not None,
+                    tensors["input_ids"][rows],
+                    doc_ids,
+                    return_moe_stats=spec.moe is not None,
                     labels=tensors["labels"][rows],
                 )
                 head_sums, moe_stats = out if spec.moe is not None else (out, [])
@@ -251,8 +255,15 @@ def train_step(
 def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distributed) -> bool:
     """Whether every parameter and optimizer moment is finite on every rank (each rank checks
     its own shards; one all-reduce of the count of non-finite tensors)."""
-    tensors = [*model.parameters(), *(v for st in optimizer.state.values() for v in st.values()
-                                      if isinstance(v, torch.Tensor) and v.is_floating_point())]
+    tensors = [
+        *model.parameters(),
+        *(
+            v
+            for st in optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+        ),
+    ]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     bad = sum(int(not torch.isfinite(t.detach()).all()) for t in local)
     return d.all_reduce_sum(torch.tensor(float(bad), dtype=torch.float64, device=d.device)).item() == 0
@@ -261,10 +272,12 @@ def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distr
 def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
     """sha256 over the per-row hashes of the GLOBAL batch, in row order: the same string for
     any number of ranks, so resumed and elastic runs can prove they saw the same data."""
-    rows = np.stack([
-        np.frombuffer(hashlib.sha256(ids.tobytes() + lab.tobytes()).digest(), dtype=np.uint8)
-        for ids, lab in zip(batch["input_ids"].astype(np.int32), batch["labels"].astype(np.int32))
-    ])
+    rows = np.stack(
+        [
+            np.frombuffer(hashlib.sha256(ids.tobytes() + lab.tobytes()).digest(), dtype=np.uint8)
+            for ids, lab in zip(batch["input_ids"].astype(np.int32), batch["labels"].astype(np.int32))
+        ]
+    )
     local = torch.from_numpy(rows).to(d.device)
     if d.initialized and d.world_size > 1:
         parts = [torch.empty_like(local) for _ in range(d.world_size)]
@@ -275,10 +288,9 @@ def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
 
 # ---- evaluation --------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def evaluate(
-    model: nn.Module, loader: MixtureLoader, d: Distributed, recipe: Recipe
-) -> dict[str, dict[str, float]]:
+def evaluate(model: nn.Module, loader: MixtureLoader, d: Distributed, recipe: Recipe) -> dict[str, dict[str, float]]:
     """Token-weighted CE over each held-out source's fixed evaluation set. A batch whose rows
     divide over the ranks is split; otherwise every rank runs it whole (sharded weights need
     every rank in each forward) and only rank 0's sums count."""
@@ -292,7 +304,10 @@ def evaluate(
                 part, counts = slice(d.rank * per, (d.rank + 1) * per), True
             else:
                 part, counts = slice(0, rows), d.is_main
-            t = {k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
+            t = {
+                k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long)
+                for k in ("input_ids", "labels", "doc_ids")
+            }
             with autocast_context(model, recipe.train.precision, d.device):
                 head_sums = model(
                     t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None, labels=t["labels"]
@@ -308,6 +323,7 @@ def evaluate(
 
 
 # ---- throughput reference ------------------------------------------------------------------------
+
 
 def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 4) -> float:
     """Best fp32 FLOP/s of a size x size matmul in torch on this process's CPU threads."""
@@ -332,6 +348,7 @@ def device_peak(device: torch.device) -> tuple[float, str]:
 
 # ---- the run -----------------------------------------------------------------------------------
 
+
 def prepare_model(
     model: nn.Module, recipe: Recipe, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None
 ) -> nn.Module:
@@ -339,8 +356,14 @@ def prepare_model(
     data-parallel ranks) on a freshly built model, then ``parallelize`` (expert parallelism
     over ``experts``, the ``torch.parallel`` wrapper over ``mesh``)."""
     if model.spec.moe is not None:
-        configure_moe(model, routing=recipe.moe.routing, seed=recipe.train.seed, dp_rank=d.rank,
-                      dp_size=d.world_size, mxfp8=recipe.moe.mxfp8)
+        configure_moe(
+            model,
+            routing=recipe.moe.routing,
+            seed=recipe.train.seed,
+            dp_rank=d.rank,
+            dp_size=d.world_size,
+            mxfp8=recipe.moe.mxfp8,
+        )
     return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts)
 
 
@@ -350,19 +373,32 @@ def train(recipe: Recipe) -> Path:
     rank, world_size, _ = process_layout()
     if rank == 0:
         print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
-    plan = plan_run(recipe, FRAMEWORK, dp_size=world_size, loader_rank=rank, loader_size=world_size,
-                    check_spec=lambda spec: check_parallel(recipe.torch, world_size, spec))
+    plan = plan_run(
+        recipe,
+        FRAMEWORK,
+        dp_size=world_size,
+        loader_rank=rank,
+        loader_size=world_size,
+        check_spec=lambda spec: check_parallel(recipe.torch, world_size, spec),
+    )
     if announce_finished(plan, rank == 0):
         return plan.run_dir
     d = init_distributed(recipe.torch.backend)
     mesh = build_mesh(d, recipe.torch)
     experts = build_expert_mesh(d, recipe.torch)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
-    describe = (f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
-                + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")
-                + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else ""))
-    return run(plan, lambda: TorchTrainModule(plan, d, mesh, experts), is_main=d.is_main, describe=[describe],
-               title=f"olmo-train-torch: {plan.run_dir}")
+    describe = (
+        f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
+        + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")
+        + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else "")
+    )
+    return run(
+        plan,
+        lambda: TorchTrainModule(plan, d, mesh, experts),
+        is_main=d.is_main,
+        describe=[describe],
+        title=f"olmo-train-torch: {plan.run_dir}",
+    )
 
 
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -403,15 +439,26 @@ class TorchTrainModule:
         self.n_devices = d.world_size
         self.peak = device_peak(d.device)
         self.cuda = d.device.type == "cuda"
-        self.checkpointer = Checkpointer(plan.run_dir, d, async_save=recipe.checkpoint.async_save,
-                                         keep=recipe.checkpoint.keep)
+        self.checkpointer = Checkpointer(
+            plan.run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep
+        )
 
     def train_step(self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard) -> StepResult:
         plan, d = self.plan, self.d
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(d.device)
-        stats = train_step(self.model, self.optimizer, batch, layout=plan.layout, d=d, spec=plan.spec,
-                           recipe=plan.recipe, lr=lr, guard=guard, step=step)
+        stats = train_step(
+            self.model,
+            self.optimizer,
+            batch,
+            layout=plan.layout,
+            d=d,
+            spec=plan.spec,
+            recipe=plan.recipe,
+            lr=lr,
+            guard=guard,
+            step=step,
+        )
         extra: dict[str, Any] = {"batch_digest": batch_digest(batch, d), **(stats.moe or {})}
         if self.cuda:
             extra["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
