@@ -17,7 +17,7 @@ def test_describe_olmo3_7b_json_subprocess():
         check=True,
     )
     info = json.loads(out.stdout)
-    assert info["params_total"] == 7_298_617_344  # DESIGN.md
+    assert info["params_total"] == 7_298_617_344  # docs/design.md
     # Head and embedding: 2 * 100352 * 4096; dense, so every parameter is active.
     assert info["params_non_embedding"] == 7_298_617_344 - 2 * 100_352 * 4096
     assert info["params_active"] == info["params_total"]

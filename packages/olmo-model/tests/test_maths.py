@@ -18,7 +18,7 @@ from olmo_model import (
     resolve_device_kind,
 )
 
-# DESIGN.md's table (OLMo-core 3.0.0's own counts, embedding and output head included).
+# docs/design.md's table (OLMo-core 3.0.0's own counts, embedding and output head included).
 DESIGN_PARAMS = {
     "olmo3-14m": 26_740_864,
     "olmo3-30m": 54_792_448,
@@ -28,7 +28,7 @@ DESIGN_PARAMS = {
     "olmo3-7b": 7_298_617_344,
     "olmo3-32b": 32_234_279_936,
 }
-# (d_model, layers, heads, kv heads, MLP hidden), also from DESIGN.md.
+# (d_model, layers, heads, kv heads, MLP hidden), also from docs/design.md.
 DESIGN_SHAPES = {
     "olmo3-14m": (128, 4, 8, 8, 512),
     "olmo3-30m": (256, 4, 8, 8, 768),

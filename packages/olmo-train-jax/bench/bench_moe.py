@@ -11,7 +11,8 @@ per token stay constant (4 routed + 1 shared SwiGLU of width 64), so an ideal im
 keeps tokens/s flat; what grows is the router (d x E), the sort and the per-expert groups.
 
 Part 1b: the same step at 8 / 64 / 128 experts with the router's top-k as ``jax.lax.top_k``
-(before session 6: XLA:CPU ran it inside the step as a full sort) and as
+(the block's top-k until commit bf645d6, 2026-11-29: XLA:CPU ran it inside the step as a full
+sort) and as
 ``moe.top_k_lowest_index_on_ties``, interleaved.
 
 Part 2, 4 simulated devices (``--xla_force_host_platform_device_count=4``, set below before
@@ -108,7 +109,7 @@ def scaling(tokens: int, repeats: int) -> list[dict]:
 
 def top_k_before_and_after(tokens: int, repeats: int) -> list[dict]:
     """Part 1's step at 8 / 64 / 128 experts with the router's top-k as ``jax.lax.top_k`` (what
-    the block used before session 6) and as ``moe.top_k_lowest_index_on_ties`` (k argmax
+    the block used until commit bf645d6) and as ``moe.top_k_lowest_index_on_ties`` (k argmax
     passes), interleaved in one run."""
     import olmo_train_jax.moe as moe_module
 

@@ -173,7 +173,7 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
         return jax.tree.map(lambda p, u: p - 1e-3 * u, params, updates), opt_state
 
     # grads an argument, as in the trainer's step: closed over, they became a 220 MB constant of
-    # the program and the piece timed 0.22 s against 0.07 s (session 4's unexplained figure).
+    # the program and inflated the piece (bench/results/2026-11-29-train-step-pieces-cpu.md).
     jax_update = jax.jit(update, donate_argnums=(0, 1))
     carry = [params, jax.jit(tx.init)(params)]
 

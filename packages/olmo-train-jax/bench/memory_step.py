@@ -10,8 +10,8 @@
    loss, remat none) compiled for this machine's backend, at ``--temp-batches`` sequences.
 
 ``--plain`` swaps the model's RMSNorm and SwiGLU back to plain autodiff (no custom VJPs), the
-before of layers.py. Session 5, olmo3-1b, 4 layers, 4096 tokens, compiled for CPU: residuals
-(none) 3.53 GiB plain -> 1.74 GiB; XLA temp 31.1 -> 21.9 GiB at 1 sequence, 57.0 -> 38.6 at 2.
+before of layers.py. Figures (olmo3-1b, 4 layers, 4096 tokens, compiled for CPU, 2026-11-29):
+``bench/results/2026-11-29-memory-step.md``.
 """
 
 from __future__ import annotations

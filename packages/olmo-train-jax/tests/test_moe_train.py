@@ -11,12 +11,13 @@ layout sums the per-token contributions to a weight's gradient in its own order 
 contraction over all tokens on one device, per-device partial sums plus an all-reduce on
 four), and AdamW turns a last-bit difference into a full-size update where a gradient is
 near zero. Once a router score pair is that close to a tie, one (token, slot) goes to
-another expert (measured: fsdp 2 x expert 2 vs one device, 1024 tokens per step, first flip
-at step 5 until session 4, step 3 since the dense projections' weight gradient contracts
+another expert (measured 2026-11-29: fsdp 2 x expert 2 vs one device, 1024 tokens per step,
+first flip at step 5, then step 3 once the dense projections' weight gradient contracted
 over one flattened token axis, ``model.linear``: a different summation order, the same
-maths; in session 6, with XLA:CPU attention looping over batch rows, no flip within 20
+maths; then, with XLA:CPU attention looping over batch rows, no flip within 20
 steps on that mesh (losses within 4.8e-6), while data 1 x expert 4 flips at step 3; on the
-embedded sample mixture instead, ``bench/layout_drift.py``: step 12 and step 16). Which
+embedded sample mixture instead, ``bench/layout_drift.py``: step 12 and step 16; all in
+``bench/results/2026-11-29-layout-drift-cpu.md``). Which
 step flips first is a property of rounding order, not of correctness, so the
 test finds it and checks the losses up to it; routing must be identical for at least the
 first MIN_SAME_ROUTING_STEPS steps (step 1 from identical weights, step 2 after one update).

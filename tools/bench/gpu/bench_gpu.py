@@ -10,7 +10,7 @@ tools/bench/gpu/run_h200.sh is the one command the device machine runs (packages
 carried wheels installed). Every contender runs in its own process (JAX and torch never share
 the card), prints one JSON line, and ``all`` gathers them into DIR/results.jsonl and a table.
 
-Train step (``torch``, ``jax``, OLMo-core): the olmo3-1b shape (DESIGN.md), sequence 4096, batch 8
+Train step (``torch``, ``jax``, OLMo-core): the olmo3-1b shape (docs/design.md), sequence 4096, batch 8
 sequences (32,768 tokens per step), bf16 compute with fp32 master weights and fp32 AdamW state,
 the same random token batches for every contender, one optimizer step = forward, loss (CE + z-loss),
 backward, global-norm clip 1.0, AdamW. Each is run the way its trainer runs a single GPU:

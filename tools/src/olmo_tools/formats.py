@@ -300,7 +300,8 @@ def _fsync_write(path: Path, chunks: Iterator[memoryview | bytes]) -> None:
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     # Reinterpret the (little-endian) storage as bytes without copying it.
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    # ignore: numpy's stubs give ndarray __buffer__ only for Python >= 3.12.
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def write_safetensors(
@@ -485,8 +486,10 @@ class OlmoCoreCheckpoint(Checkpoint):
 
     def tensor(self, name: str) -> torch.Tensor:
         key = self._source_key[name]
-        t = self._dcp.load(key) if self._dcp is not None else self._state[key]
-        return checked_tensor(self, name, t)
+        if self._dcp is not None:
+            return checked_tensor(self, name, self._dcp.load(key))
+        assert self._state is not None  # __init__ sets _dcp or _state
+        return checked_tensor(self, name, self._state[key])
 
 
 def write_olmo_core(dst: Path, ckpt: Checkpoint, dtype_of: Callable[[str], torch.dtype], as_file: bool) -> None:

@@ -123,7 +123,10 @@ class TorchCheckpoint(Checkpoint):
 
     def tensor(self, name: str) -> torch.Tensor:
         key = self._key[name]
-        return checked_tensor(self, name, self._dcp.load(key) if self._dcp is not None else self._state[key])
+        if self._dcp is not None:
+            return checked_tensor(self, name, self._dcp.load(key))
+        assert self._state is not None  # __init__ sets _dcp or _state
+        return checked_tensor(self, name, self._state[key])
 
 
 def write_torch(dst: Path, ckpt: Checkpoint, dtype_of) -> None:

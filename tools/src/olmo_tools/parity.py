@@ -76,9 +76,9 @@ def load_side(text: str, impl: str | None, dtype: str, spec: str | None = None) 
     with open_checkpoint(loc, spec) as ckpt:
         tensors = dict(ckpt.tensors())
         if impl == "torch":
-            from olmo_train_torch import model_from_hf
+            from olmo_train_torch import model_from_hf as torch_model_from_hf
 
-            model = model_from_hf(ckpt.spec, tensors, DTYPES[dtype]).eval()
+            model = torch_model_from_hf(ckpt.spec, tensors, DTYPES[dtype]).eval()
             del tensors
 
             def run(ids: np.ndarray) -> np.ndarray:
@@ -89,18 +89,18 @@ def load_side(text: str, impl: str | None, dtype: str, spec: str | None = None) 
             import jax.numpy as jnp
             from flax import nnx
 
-            from olmo_train_jax import model_from_hf
+            from olmo_train_jax import model_from_hf as jax_model_from_hf
 
             from .native import torch_to_numpy
 
-            model = model_from_hf(
+            jax_model = jax_model_from_hf(
                 ckpt.spec, {n: torch_to_numpy(t) for n, t in tensors.items()}, param_dtype=dtype, dtype=dtype
             )
             del tensors
             forward = nnx.jit(lambda m, ids: m(ids))
 
             def run(ids: np.ndarray) -> np.ndarray:
-                return np.asarray(forward(model, jnp.asarray(ids)), dtype=np.float32)
+                return np.asarray(forward(jax_model, jnp.asarray(ids)), dtype=np.float32)
 
         else:
             raise CheckpointError(f"{text}: --impl '{impl}' is unknown; use torch or jax")

@@ -96,7 +96,7 @@ def compare_runs(torch_dir: Path, jax_dir: Path, steps: int) -> dict[str, Any]:
     loss_diff = np.abs(np.subtract(loss_t, loss_j))
     gn_diff = np.abs(np.subtract(gn_t, gn_j))
     held_out = {
-        name: {"torch": t_eval[name], "jax": j_eval.get(name), "abs_diff": abs(t_eval[name] - j_eval[name])}
+        name: {"torch": t_eval[name], "jax": j_eval[name], "abs_diff": abs(t_eval[name] - j_eval[name])}
         for name in t_eval
         if name in j_eval
     }

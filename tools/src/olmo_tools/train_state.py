@@ -19,7 +19,8 @@ checkpoint code:
   renamed to ``checkpoints/step_N`` with its meta.json already written last inside.
 
 A source of the other framework, a spec or mixture that does not fit the target, or an MoE
-spec (the JAX trainer has no MoE) is one line naming the file and the fix; nothing is written.
+spec (expert weights and their moments are not mapped between the trainers yet) is one line
+naming the file and the fix; nothing is written.
 Parameters and moments stay float32 (the trainers keep float32 master weights and state).
 """
 
@@ -95,8 +96,8 @@ def read_training_state(text: str) -> TrainingState:
     spec = ModelSpec.model_validate(meta["spec"])
     if spec.moe is not None:
         raise CheckpointError(
-            f"{ckpt}: an MoE model ({spec.moe.n_experts} experts); the JAX trainer has no MoE, so "
-            "its training state cannot move between trainers yet"
+            f"{ckpt}: an MoE model ({spec.moe.n_experts} experts); moving MoE training state (expert weights "
+            "and their AdamW moments) between the trainers is not implemented yet; resume it in its own trainer"
         )
     try:
         recipe = recipe_from_dict(meta["recipe"], f"{ckpt}/meta.json recipe")

@@ -22,7 +22,7 @@ import hashlib
 import json
 import logging
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from rich.console import Console
@@ -59,9 +59,11 @@ def describe(mixture: Mixture) -> dict[str, Any]:
     slots = mixture.slots_per_epoch()
     instances = mixture.num_instances()
     caps = mixture.max_instances()
-    weights = [s.ratio if s.ratio is not None else s.tokens for s in mixture.config.sources]
+    # cast: a source without a ratio has tokens (SourceConfig._one_target).
+    weights = [s.ratio if s.ratio is not None else cast(int, s.tokens) for s in mixture.config.sources]
     sources = []
     for i, (cfg, src) in enumerate(zip(mixture.config.sources, mixture.training_sources)):
+        cap = caps[i]
         sources.append(
             {
                 "name": cfg.name,
@@ -73,7 +75,7 @@ def describe(mixture: Mixture) -> dict[str, Any]:
                 "realised_ratio": slots[i] / order.epoch_size,
                 "source_epochs_per_mixture_epoch": slots[i] / instances[i],
                 "max_repetition": cfg.max_repetition,
-                "mixture_epochs_allowed": None if caps[i] is None else caps[i] / max(1, slots[i]),
+                "mixture_epochs_allowed": None if cap is None else cap / max(1, slots[i]),
             }
         )
     held = [

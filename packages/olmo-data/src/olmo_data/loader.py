@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import grain
@@ -84,7 +84,8 @@ class MixtureLoader:
         """This rank's rows of global batch `step` (pure: no loader state involved)."""
         return self.order.rank_slice(step, self.global_batch_size, self.dp_rank, self.dp_size)
 
-    def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    # A Generator, not just an Iterator: the driver closes it to stop the prefetch threads.
+    def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:
         steps = grain.MapDataset.range(self.step, self.step + _STEP_HORIZON).map(self.batch_at)
         # Buffer 2 batches per thread: each thread has one ready while building the next.
         options = grain.ReadOptions(num_threads=self.prefetch, prefetch_buffer_size=max(1, 2 * self.prefetch))

@@ -89,7 +89,7 @@ class MixtureConfig(_Strict):
         by_ratio = [s.ratio is not None for s in self.sources]
         if any(by_ratio) and not all(by_ratio):
             raise ValueError("sources: give every source a ratio, or every source a tokens target, not a mix")
-        if all(by_ratio) and sum(s.ratio for s in self.sources) <= 0:
+        if all(by_ratio) and sum(s.ratio for s in self.sources if s.ratio is not None) <= 0:
             raise ValueError("sources: all ratios are zero; give at least one source a ratio > 0")
         return self
 
@@ -186,9 +186,13 @@ class Mixture:
 
     def slots_per_epoch(self) -> list[int]:
         """Each training source's slots in one mixture epoch (see olmo_data.order)."""
+        # Every source has a ratio or every one has tokens (MixtureConfig._consistent): the
+        # `is not None` filters below only narrow the types, they drop nothing.
         if self.config.sources[0].ratio is not None:
-            return largest_remainder([s.ratio for s in self.config.sources], sum(self.num_instances()))
-        return [max(1, round(s.tokens / self.sequence_length)) for s in self.config.sources]
+            return largest_remainder(
+                [s.ratio for s in self.config.sources if s.ratio is not None], sum(self.num_instances())
+            )
+        return [max(1, round(s.tokens / self.sequence_length)) for s in self.config.sources if s.tokens is not None]
 
     def max_instances(self) -> list[int | None]:
         """The stream length max_repetition allows each training source (None: unbounded)."""

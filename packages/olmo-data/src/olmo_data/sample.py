@@ -46,7 +46,7 @@ from olmo_data.shards import ShardWriter
 try:
     import fcntl
 except ImportError:  # Windows: no flock; concurrent builders then just race (safely)
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]  # mypy types the name as the module, never None
 
 SAMPLE_VERSION = "sample-v1"  # bump when the build recipe changes: old caches are then ignored
 VOCAB_SIZE = 4096

@@ -61,13 +61,25 @@ _RACY_NS = 2_000_000_000
 
 
 class TokenSource(Protocol):
-    """What the loader needs from stored tokens (see the olmo-data contract)."""
+    """What the loader needs from stored tokens (see the olmo-data contract).
 
-    path: str
-    num_tokens: int
-    num_docs: int
-    dtype: np.dtype
-    max_token_id: int
+    Read-only properties: an implementation may hold each as a plain attribute or compute
+    it (RawTokenFile scans for num_docs and max_token_id on first use)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_docs(self) -> int: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def max_token_id(self) -> int: ...
 
     def read(self, start: int, stop: int) -> np.ndarray: ...
 
@@ -187,6 +199,7 @@ class RawTokenFile:
     def doc_starts(self) -> np.ndarray:
         if self._starts is None:
             self._scan()
+        assert self._starts is not None  # set by _scan
         return self._starts
 
     @property
@@ -197,6 +210,7 @@ class RawTokenFile:
     def max_token_id(self) -> int:
         if self._max_token_id is None:
             self._scan()
+        assert self._max_token_id is not None  # set by _scan
         return self._max_token_id
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -365,7 +379,7 @@ def open_source(
                 raise DataError(f"{path}: raw token files need a dtype; set dtype: uint16 or uint32")
             sources.append(RawTokenFile(path, dtype, eos_token_id))
         else:
-            source = ShardSource(path)
+            source: TokenSource = ShardSource(path)
             if dtype is not None and check_dtype(dtype, path) != source.dtype:
                 raise DataError(
                     f"{path}: shard dtype is {source.dtype.name} but {np.dtype(dtype).name} was asked; drop dtype for shards"

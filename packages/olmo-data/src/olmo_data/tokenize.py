@@ -228,7 +228,8 @@ def _run_unit(args: tuple[Unit, Options]) -> dict[str, int]:
     unit, opts = args
     stats = {"docs": 0, "tokens": 0, "tokenized": 0, "written": 0, "skipped": 0}
     out = Path(opts.output)
-    part, first_doc, texts = 0, 0, []
+    part, first_doc = 0, 0
+    texts: list[str] = []
 
     def flush() -> None:
         path = out / f"{unit.name}-{part:05d}{SHARD_SUFFIX}"
@@ -322,6 +323,7 @@ def tokenize_main(argv: list[str]) -> int:
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("units", total=len(units), docs=0)
         work = [(u, opts) for u in units]
+        results: Iterator[dict[str, int]]
         if args.num_proc == 1:
             _init_worker(opts.tokenizer, quiet_threads=False)
             results = map(_run_unit, work)

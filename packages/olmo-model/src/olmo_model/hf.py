@@ -45,6 +45,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         }
         if spec.yarn.attention_factor is not None:
             full_rope["attention_factor"] = spec.yarn.attention_factor
+    assert spec.layer_types is not None  # filled by ModelSpec._fill_layer_types
     return {
         "architectures": ["Olmo3ForCausalLM"],
         "model_type": "olmo3",
@@ -96,7 +97,7 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     if sliding.get("rope_type", "default") != "default":
         raise SpecError(f"{source}: RoPE scaling on sliding layers is not supported (Olmo 3 scales global layers)")
     yarn = None
-    legacy = cfg.get("rope_scaling")
+    legacy = cfg.get("rope_scaling") or {}
     if full.get("rope_type", "default") == "yarn" or (legacy and legacy.get("rope_type") == "yarn"):
         y = full if full.get("rope_type") == "yarn" else legacy
         yarn = {

@@ -34,6 +34,7 @@ def _check_expressible(spec: ModelSpec) -> None:
     moe = spec.moe
     if moe is None:
         raise SpecError("olmoe_config: the spec has no moe section; dense specs use olmo_model.hf_config (Olmo3)")
+    assert spec.layer_types is not None  # filled by ModelSpec._fill_layer_types
     problems = [
         (
             spec.norm_placement != "pre",

@@ -113,7 +113,7 @@ class DevicePeak:
         return self.bf16_flops_per_chip / self.devices_per_chip
 
 
-# bf16 dense peaks (DESIGN.md). HBM per device for the planner.
+# bf16 dense peaks (docs/design.md). HBM per device for the planner.
 PEAKS: dict[str, DevicePeak] = {
     "h100": DevicePeak("h100", 989e12, hbm_bytes=80 * 2**30),
     "h200": DevicePeak("h200", 989e12, hbm_bytes=141e9),
@@ -194,6 +194,7 @@ def training_state_bytes(spec: ModelSpec, param_dtype: str = "float32") -> dict[
 def describe(spec: ModelSpec, seq_len: int) -> dict:
     """The numbers `olmo-model describe` prints, as a JSON-ready dict."""
     counts = param_counts(spec)
+    assert spec.layer_types is not None  # filled by ModelSpec._fill_layer_types
     n_sliding = sum(1 for t in spec.layer_types if t == SLIDING)
     return {
         "spec": spec.model_dump(mode="json"),

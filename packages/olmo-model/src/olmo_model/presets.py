@@ -1,4 +1,4 @@
-"""Named model sizes as data. Shapes are OLMo-core 3.0.0's olmo3 presets (DESIGN.md);
+"""Named model sizes as data. Shapes are OLMo-core 3.0.0's olmo3 presets (docs/design.md);
 the tiny ones exist for tests (2-4 layers, d_model 64-128, a window shorter than the
 test sequences so both attention kinds are exercised)."""
 

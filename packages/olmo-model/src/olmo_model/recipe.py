@@ -239,7 +239,7 @@ def batch_layout(global_batch: int, dp_size: int, micro_batch_size: int | None =
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     keys = dotted.split(".")
     node: Any = tree
-    fields: dict[str, Any] = dict(Recipe.model_fields)
+    fields: dict[str, Any] | None = dict(Recipe.model_fields)  # None: under a non-section field, keys unchecked
     for depth, key in enumerate(keys):
         if fields is not None and key not in fields:
             close = difflib.get_close_matches(key, list(fields), n=1)

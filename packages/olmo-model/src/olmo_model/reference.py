@@ -4,7 +4,7 @@ It is written for clarity, not speed, and only for tiny specs in tests. Paramete
 dict keyed by the HF names of ``hf_param_shapes(spec)`` (linear weights stored (out, in),
 as torch.nn.Linear does), so the same dict loads into transformers and into either trainer.
 
-What it computes, block by block (Olmo 3, see DESIGN.md):
+What it computes, block by block (Olmo 3, see docs/design.md):
 
 - embedding lookup; per layer the reordered norm h = x + RMSNorm(attn(x)),
   out = h + RMSNorm(mlp(h)); a final RMSNorm; an untied output head;
@@ -110,7 +110,7 @@ def rope_inv_freq(spec: ModelSpec, layer: int) -> tuple[np.ndarray, float]:
         return dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)

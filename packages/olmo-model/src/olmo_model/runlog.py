@@ -207,7 +207,8 @@ def verify_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
     CheckpointDamagedError naming the first that is not (sizes first: a missing or cut file is
     found before anything is read). A checkpoint of UNCHECKED_FORMAT passes with a loud
     warning: it was written before checksums, and refusing it would strand every such run."""
-    files = meta.get("files")
+    # Any: whatever meta.json holds; a missing or malformed 'files' fails inside the try below.
+    files: Any = meta.get("files")
     if files is None and meta.get("format") == UNCHECKED_FORMAT:
         loud(f"{ckpt}: written before checkpoints carried checksums ({UNCHECKED_FORMAT}); its files are not verified")
         return
@@ -423,9 +424,9 @@ def _newest_verified(run_dir: Path, done: list[tuple[int, Path]], fallback: bool
                 f"{damaged[0][1]}; --checkpoint.fallback=true resumes from step {step} ({ckpt.name}, the newest "
                 f"checkpoint that verifies), or restore {damaged[0][0].name} from a copy"
             )
-        for bad, err in damaged:
+        for bad, bad_err in damaged:
             loud(
-                f"{bad.name} skipped: {err}; resuming from {ckpt.name} (step {step}) because "
+                f"{bad.name} skipped: {bad_err}; resuming from {ckpt.name} (step {step}) because "
                 f"checkpoint.fallback=true; {bad.name} is deleted when this run commits its first checkpoint"
             )
         return step, ckpt, meta

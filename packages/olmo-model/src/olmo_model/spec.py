@@ -70,7 +70,7 @@ class MoESpec(_Frozen):
 
 
 class ModelSpec(_Frozen):
-    """An Olmo 3-style decoder. Defaults are the Olmo 3 7B values (DESIGN.md)."""
+    """An Olmo 3-style decoder. Defaults are the Olmo 3 7B values (docs/design.md)."""
 
     name: str | None = None  # preset name, for logs only; does not affect the maths
     d_model: int = Field(4096, gt=0)
@@ -191,10 +191,12 @@ class ModelSpec(_Frozen):
 
     def window_of(self, i: int) -> int | None:
         """Keys a query of layer i can see (itself included); None for global layers."""
+        assert self.layer_types is not None  # filled by _fill_layer_types
         return self.sliding_window if self.layer_types[i] == SLIDING else None
 
     def rope_yarn_of(self, i: int) -> YarnSpec | None:
         """YaRN applies to the global layers only (Olmo 3 stage 3, transformers' rope_parameters)."""
+        assert self.layer_types is not None  # filled by _fill_layer_types
         return self.yarn if self.layer_types[i] == FULL else None
 
     def replace(self, **changes) -> ModelSpec:

@@ -116,7 +116,8 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
             body = functools.partial(_local_with_count, token_axes=token_axes, mxfp8=mxfp8)
         else:
             body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8)
-        expert_w = ExpertWeights(expert_split, expert_split, expert_split)
+        # ignore: the NamedTuple as a pytree of PartitionSpecs, mirroring the weights it shards.
+        expert_w = ExpertWeights(expert_split, expert_split, expert_split)  # type: ignore[arg-type]
         return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P()))(
             x, experts, weights, w
         )

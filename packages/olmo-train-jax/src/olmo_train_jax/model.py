@@ -1,6 +1,6 @@
 """The Olmo 3 decoder in Flax NNX, built from an ``olmo_model.ModelSpec``.
 
-Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
+Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the reference):
 
 - reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
   norms (``spec.norm_placement="pre"``, OLMoE's pre-norm: h = x + attn(RMSNorm(x)); out =
@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +69,7 @@ from .precision import matmul_precision
 # "none": keep every activation; "block": keep only each layer's input and recompute the
 # block in the backward pass; "save_dots": also keep the weight-matmul outputs, recomputing
 # only cheap elementwise work and attention (its [S, S] scores are what is worth dropping).
-REMAT_POLICIES: dict[str, object] = {
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "block": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -100,7 +102,7 @@ def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[np.ndarray, f
         return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
@@ -385,12 +387,14 @@ class OlmoModel(nnx.Module):
             FULL: _cos_sin(*rope_inv_freq(spec, spec.yarn), seq_len),
         }
         n_layers = spec.n_layers
-        period = scan_period(spec.layer_types)
+        assert spec.layer_types is not None  # filled by ModelSpec._fill_layer_types
+        layer_types = spec.layer_types
+        period = scan_period(layer_types)
         policy = REMAT_POLICIES[self.remat]
 
         def layer(h, weights, repeat, p):
             # Layer repeat * period + p: its kind is layer_types[p], known at trace time.
-            cos, sin = rope[spec.layer_types[p]]
+            cos, sin = rope[layer_types[p]]
             key = None if routing_key is None else jax.random.fold_in(routing_key, repeat * period + p)
             return self._block(h, weights, cos, sin, spec.window_of(p), doc_ids, routing, key)
 
@@ -398,7 +402,7 @@ class OlmoModel(nnx.Module):
             weights, repeat = xs
             stats = []
             for p in range(period):
-                fn = functools.partial(layer, p=p)
+                fn: Callable[..., Any] = functools.partial(layer, p=p)
                 if policy is not None:
                     fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
                 h, layer_stats = fn(h, {name: w[p] for name, w in weights.items()}, repeat)

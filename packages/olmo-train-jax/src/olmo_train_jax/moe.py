@@ -116,8 +116,8 @@ def top_k_lowest_index_on_ties(x: jax.Array, k: int) -> tuple[jax.Array, jax.Arr
     the lower index first among equal values (``jax.lax.top_k``'s order, and the torch
     trainer's ``top_k_lowest_index_on_ties``), for finite ``x``. k passes of argmax over E
     instead of ``lax.top_k``, which XLA:CPU ran inside the block's gradient step as a full sort
-    of the [T, E] scores (``bench/bench_moe.py`` part 1b, session 6: 68.0 -> 51.2 ms at 64
-    experts, 90.4 -> 64.0 ms at 128, 46.7 -> 43.6 ms at 8). The values are gathered from
+    of the [T, E] scores (``bench/bench_moe.py`` part 1b; figures in
+    ``bench/results/2026-11-29-moe-scaling-cpu.md``). The values are gathered from
     ``x``, so the gradient reaches the chosen entries as ``lax.top_k``'s does."""
     cols = jnp.arange(x.shape[-1], dtype=jnp.int32)
     scores = jax.lax.stop_gradient(x)
@@ -269,7 +269,8 @@ def _mgpu_kernels():
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
 
     def forward(x, w, sizes, transpose_rhs=False):
-        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, transpose_rhs=transpose_rhs, **MGPU_RAGGED)
+        # ignore: the block sizes are int keywords; mypy cannot see that none is transpose_rhs.
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, transpose_rhs=transpose_rhs, **MGPU_RAGGED)  # type: ignore[arg-type]
 
     def weight_grad(x, dy, sizes):
         return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, dy, group_sizes=sizes, **MGPU_TRANSPOSED)

@@ -17,7 +17,7 @@ The mesh has named axes (``recipe.jax.mesh``; one of them may be -1 = the device
 
 A batch is split over (data, fsdp, expert) on its batch axis, so the data-parallel size is
 data x fsdp x expert. XLA inserts the all-gathers and reduce-scatters the placements imply;
-the model code holds no parallelism (DESIGN.md contract 6).
+the model code holds no parallelism (docs/design.md contract 6).
 
 Multi-host: with ``recipe.jax.distributed`` the trainer calls ``jax.distributed.initialize()``
 first (on a TPU pod slice or under SLURM/Open MPI it finds the coordinator itself; elsewhere

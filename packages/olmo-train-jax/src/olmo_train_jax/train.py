@@ -65,7 +65,7 @@ from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
 from .head_loss import head_loss_sums
 from .hf_adapter import model_from_hf, validate_hf
-from .model import build_model
+from .model import OlmoModel, build_model
 from .moe import MoEStats, aux_loss, moe_metrics
 
 FRAMEWORK = "jax"
@@ -163,6 +163,7 @@ def make_step_functions(
         if moe_stats is not None:
             # Each micro-step's aux losses cover its global micro-batch; the step's aux term
             # is their mean over micro-steps (as the Torch trainer does).
+            assert spec.moe is not None  # only MoE layers return stats
             loss = loss + aux_loss(moe_stats, spec.moe, routing) / accumulation
         return loss, (ce, z, moe_stats)
 
@@ -216,6 +217,7 @@ def make_step_functions(
             moe_step = moe_sum._replace(
                 load_balancing=moe_sum.load_balancing / accumulation, router_z=moe_sum.router_z / accumulation
             )
+            assert spec.moe is not None  # only MoE layers return stats
             stats["loss"] = stats["loss"] + aux_loss(moe_step, spec.moe, routing)
             stats["moe"] = moe_step
         return grads, stats
@@ -240,9 +242,10 @@ def make_step_functions(
         return ce, n
 
     batch_in = {k: batch_sh for k in BATCH_KEYS}
-    stats_out = {k: replicated for k in ("loss", "ce_loss", "z_loss", "grad_norm")}
+    stats_out: dict[str, Any] = {k: replicated for k in ("loss", "ce_loss", "z_loss", "grad_norm")}
     if spec.moe is not None:
-        stats_out["moe"] = MoEStats(replicated, replicated, replicated, replicated)
+        # ignore: the NamedTuple as a pytree of shardings, mirroring the stats it places.
+        stats_out["moe"] = MoEStats(replicated, replicated, replicated, replicated)  # type: ignore[arg-type]
     grads_jit = jax.jit(
         grads_and_stats,
         in_shardings=(params_sharding, batch_in, replicated),
@@ -288,7 +291,7 @@ class MeshModel:
     opt_sh: Any
 
 
-def for_mesh(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh: jax.sharding.Mesh) -> MeshModel:
+def for_mesh(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh: jax.sharding.Mesh) -> MeshModel:
     """What the trainer and ``placed_step`` both do to a freshly built model before its step:
     tell it how many devices share the batch (XLA:CPU attention loops over each device's own
     rows), route MoE experts per device (an all-to-all over the expert axis), split it, and
@@ -305,7 +308,7 @@ def for_mesh(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh: jax.shard
     return MeshModel(graphdef, params, tx, params_sh, abstract_opt, opt_sh)
 
 
-def placed_step(model: nnx.Module, spec: ModelSpec, recipe: Recipe, mesh_axes: dict[str, int] | None = None):
+def placed_step(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh_axes: dict[str, int] | None = None):
     """(StepFunctions, [params, opt_state]) for a freshly built ``model`` on a mesh (default:
     every device on ``data``), the parameters and AdamW state placed with the step's own
     shardings (so the first timed step does not recompile): the trainer's step without a run
@@ -392,7 +395,8 @@ def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> di
     rows = batch["input_ids"].shape[0]
     spec = P(sharding.batch_axes(mesh), None) if rows % sharding.dp_size(mesh) == 0 else P()
     sh = NamedSharding(mesh, spec)
-    return {k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS}
+    # ignore: mypy cannot infer a lambda whose default binds the array (one per key).
+    return {k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS}  # type: ignore[misc]
 
 
 class JaxTrainModule:

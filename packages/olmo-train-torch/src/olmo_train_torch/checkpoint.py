@@ -99,8 +99,10 @@ class Checkpointer:
         state = {"model": msd, "optim": osd}
         no_dist = not self.d.initialized
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(ckpt), process_group=self.group, no_dist=no_dist)
-            self.pending = (future, ckpt, meta)
+            # ignores: new_group over every rank never returns the non-member sentinel, and
+            # async_save without an async_stager returns a Future, not an AsyncSaveResponse.
+            future = dcp.async_save(state, checkpoint_id=str(ckpt), process_group=self.group, no_dist=no_dist)  # type: ignore[arg-type]
+            self.pending = (future, ckpt, meta)  # type: ignore[assignment]
         else:
             dcp.save(state, checkpoint_id=str(ckpt), no_dist=no_dist)
             self._commit(ckpt, meta)
@@ -134,7 +136,7 @@ def load_checkpoint(ckpt: Path, d: Distributed, model: nn.Module, optimizer: tor
     no_dist = not d.initialized
     try:
         if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
+            state: dict[str, Any] = {"model": get_model_state_dict(model)}
             dcp.load(state, checkpoint_id=str(ckpt), no_dist=no_dist)
             set_model_state_dict(model, state["model"])
             return

@@ -58,6 +58,7 @@ class _HeadLoss(torch.autograd.Function):
                 z += torch.where(valid, lse * lse, 0.0).sum()
                 if not need_grad:
                     continue
+                assert dx is not None and dw is not None  # allocated when need_grad
                 scale = torch.where(valid, (1.0 + 2.0 * z_weight * lse) / s, 0.0)
                 g = logits.mul_(scale.unsqueeze(-1))
                 g.scatter_add_(-1, safe, -valid.to(g.dtype).unsqueeze(-1))

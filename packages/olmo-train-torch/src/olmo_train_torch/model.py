@@ -1,6 +1,6 @@
 """The Olmo 3 decoder in PyTorch, built from an ``olmo_model.ModelSpec``.
 
-Architecture (DESIGN.md; transformers' ``Olmo3ForCausalLM`` is the reference):
+Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the reference):
 
 - untied token embedding ``embed`` and output head ``lm_head`` over the padded vocab;
 - reordered-norm blocks, no input norms:
@@ -73,7 +73,7 @@ def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[torch.Tensor,
         return dim * math.log(turns) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
@@ -176,7 +176,9 @@ class MoEBlock(Block):
         assert spec.moe is not None
         super().__init__(spec, MoE(spec.moe, spec.d_model, layer))
 
-    def forward(
+    # Not a drop-in Block: it also returns its routing stats, which OlmoModel.forward tells
+    # apart by the tuple.
+    def forward(  # type: ignore[override]
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> tuple[torch.Tensor, RoutingStats]:
         h = self._attend(x, cos, sin, mask)

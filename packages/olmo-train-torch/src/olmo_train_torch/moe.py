@@ -59,7 +59,7 @@ all-reduce of 2E+3 numbers per layer) outside the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +67,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from olmo_model import MoESpec
+
+if TYPE_CHECKING:  # for annotations only: expert_parallel imports this module
+    from .expert_parallel import ExpertParallelDispatcher
 
 RoutingMode = Literal["learned", "random", "uniform"]
 GemmBackend = Literal["auto", "grouped_mm", "loop"]
@@ -309,7 +312,7 @@ class MoE(nn.Module):
         # global micro-batch (all ranks hold micro-batches of the same size).
         self.dp_rank = 0
         self.dp_size = 1
-        self.dispatcher = None
+        self.dispatcher: ExpertParallelDispatcher | None = None
 
     def _generator(self, device: torch.device) -> torch.Generator:
         # One stream per (seed, step, micro-step, layer), the same on every rank:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -145,7 +146,7 @@ def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | Non
             f"torch.expert_parallel={ep} does not divide the {world_size} ranks; "
             f"choose a divisor of {world_size} (or launch a multiple of {ep} processes)"
         )
-    if spec is not None and spec.moe.n_experts % ep:
+    if spec is not None and spec.moe is not None and spec.moe.n_experts % ep:
         raise RecipeError(
             f"torch.expert_parallel={ep} does not divide moe.n_experts={spec.moe.n_experts}; "
             f"choose a common divisor of {spec.moe.n_experts} and {world_size}"
@@ -189,7 +190,7 @@ def parallelize(
         expert_params = prepare_expert_parallel(
             model, experts, dp_size=experts.size(), expert_dp_group=edp.get_group() if edp.size() > 1 else None
         )
-    blocks = model.blocks
+    blocks = cast(nn.ModuleList, model.blocks)  # nn.Module.__getattr__ is typed Tensor | Module
     for i, block in enumerate(blocks):
         if section.activation_checkpointing:
             # preserve_rng_state=False: the model has no dropout, so there is no RNG to replay.

@@ -60,7 +60,7 @@ from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import load_hf
-from .model import RMSNorm, build_model
+from .model import OlmoModel, RMSNorm, build_model
 from .moe import GroupedExperts, configure_moe, merge_micro_steps, moe_aux_losses, moe_step_metrics, set_routing_step
 from .parallelize import (
     Distributed,
@@ -224,6 +224,7 @@ def train_step(
                 # Global values, gradient through this rank's tokens: scaled by the rank count
                 # like the CE (the wrapper averages), averaged over micro-steps.
                 aux = moe_aux_losses(moe_stats, group=moe_group)
+                assert spec.moe is not None  # only MoE layers return stats
                 step_loss = step_loss + aux.weighted(spec.moe, routing) * (d.world_size / layout.accumulation_steps)
                 moe_terms.append(aux)
             step_loss.backward()
@@ -234,6 +235,7 @@ def train_step(
     moe = None
     if moe_terms:
         merged = merge_micro_steps(moe_terms)
+        assert spec.moe is not None  # only MoE layers return stats
         loss += float(merged.weighted(spec.moe, routing))
         moe = moe_step_metrics(merged, ep_size=recipe.torch.expert_parallel)
 
@@ -350,7 +352,7 @@ def device_peak(device: torch.device) -> tuple[float, str]:
 
 
 def prepare_model(
-    model: nn.Module, recipe: Recipe, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None
+    model: OlmoModel, recipe: Recipe, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None
 ) -> nn.Module:
     """The recipe's MoE knobs (``moe.routing``, ``moe.mxfp8``; this rank's place among the
     data-parallel ranks) on a freshly built model, then ``parallelize`` (expert parallelism
@@ -387,10 +389,11 @@ def train(recipe: Recipe) -> Path:
     mesh = build_mesh(d, recipe.torch)
     experts = build_expert_mesh(d, recipe.torch)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
+    # ignores: DeviceMesh.mesh_dim_names is None only for an unnamed mesh; both builders name theirs.
     describe = (
         f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
-        + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")
-        + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else "")
+        + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")  # type: ignore[arg-type]
+        + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else "")  # type: ignore[arg-type]
     )
     return run(
         plan,
