@@ -48,6 +48,10 @@ class InitSource:
     def is_hf(self) -> bool:
         return self.framework is None
 
+    def safetensors_files(self) -> list[Path]:
+        """An HF folder's ``*.safetensors`` files in name order (the shards of one model)."""
+        return sorted(self.path.glob("*.safetensors"))
+
     def describe(self) -> str:
         what = "weights and optimizer state" if self.load_optimizer else "weights only"
         where = (

@@ -94,7 +94,12 @@ def restore_state(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | No
     checkpoint Orbax cannot read (damaged, or of another model) is a one-line TrainingStateError."""
     try:
         return _restore(ckpt, abstract_params, abstract_opt_state)
-    except (ValueError, KeyError, OSError) as err:
+    except Exception as err:
+        # Orbax reports an array file it cannot read (missing, cut short) as a plain Exception
+        # from TensorStore; anything else of that plain type is not a damaged file: re-raise it.
+        plain_read_error = type(err) is Exception and str(err).startswith("Encountered error while reading")
+        if not (isinstance(err, (ValueError, KeyError, OSError)) or plain_read_error):
+            raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TrainingStateError(
             f"{ckpt}: Orbax cannot restore it onto this model ({first}); the checkpoint is damaged or of another model"

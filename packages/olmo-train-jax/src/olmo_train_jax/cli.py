@@ -12,34 +12,16 @@ non-finite loss or state, or too many skipped steps in a row) stops with one lin
 
 from __future__ import annotations
 
-import sys
-
-from olmo_data.errors import DataError
-from olmo_model import SpecError, UnknownDeviceError
-from olmo_model.recipe import RecipeError, load_recipe
-from olmo_model.runlog import TrainingDivergedError, TrainingStateError
+from olmo_run.cli import INPUT_ERRORS, run_cli
 
 from .hf_adapter import CheckpointMismatchError
 
-# Bad input, as opposed to a bug: reported in one line, exit status 2.
-INPUT_ERRORS = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError, CheckpointMismatchError)
+
+def _train():
+    from .train import train  # imports jax: after the recipe parsed, so a typo fails fast
+
+    return train
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    path = args.pop(0) if args and not args[0].startswith("--") else None
-    try:
-        recipe = load_recipe(path, args)
-        from .train import train  # imports jax: after the recipe parsed, so a typo fails fast
-
-        train(recipe)
-    except INPUT_ERRORS as err:
-        print(f"olmo-train-jax: error: {err}", file=sys.stderr)
-        return 2
-    except TrainingDivergedError as err:
-        print(f"olmo-train-jax: stopped: {err}", file=sys.stderr)
-        return 3
-    return 0
+    return run_cli("olmo-train-jax", __doc__, argv, _train, (*INPUT_ERRORS, CheckpointMismatchError))

@@ -367,7 +367,9 @@ def train(recipe: Recipe) -> Path:
     )
     init_tensors = None
     if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
-        init_tensors = _read_safetensors(plan.init.path)
+        from safetensors.numpy import load_file
+
+        init_tensors = {k: v for f in plan.init.safetensors_files() for k, v in load_file(f).items()}
         validate_hf(plan.spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
     if announce_finished(plan, is_main):
         return plan.run_dir
@@ -378,15 +380,6 @@ def train(recipe: Recipe) -> Path:
         describe=[sharding.describe_mesh(mesh)],
         title=f"olmo-train-jax: {plan.run_dir}",
     )
-
-
-def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    tensors: dict[str, np.ndarray] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
 
 
 def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:

@@ -19,39 +19,27 @@ state is written.
 
 from __future__ import annotations
 
-import sys
-
 import torch.distributed as dist
 
-from olmo_data import DataError
-from olmo_model import SpecError, UnknownDeviceError
-from olmo_model.recipe import RecipeError, load_recipe
-from olmo_model.runlog import TrainingDivergedError, TrainingStateError
+from olmo_run.cli import INPUT_ERRORS, run_cli
 
 from .hf_adapter import CheckpointMismatchError
 from .parallelize import env_rank
 from .train import train
 
-USER_ERRORS = (RecipeError, SpecError, DataError, TrainingStateError, CheckpointMismatchError, UnknownDeviceError)
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("-h", "--help"):
-        print(__doc__)
-        return 0
-    recipe_path = args.pop(0) if args and not args[0].startswith("--") else None
-    try:
-        train(load_recipe(recipe_path, args))
-    except USER_ERRORS as err:
-        if env_rank() == 0:
-            print(f"olmo-train-torch: error: {err}", file=sys.stderr, flush=True)
-        return 2
-    except TrainingDivergedError as err:
-        if env_rank() == 0:
-            print(f"olmo-train-torch: stopped: {err}", file=sys.stderr, flush=True)
-        return 3
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_cli(
+        "olmo-train-torch",
+        __doc__,
+        argv,
+        lambda: train,
+        (*INPUT_ERRORS, CheckpointMismatchError),
+        reports=lambda: env_rank() == 0,
+        cleanup=_leave_process_group,
+    )

@@ -404,15 +404,6 @@ def train(recipe: Recipe) -> Path:
     )
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    return tensors
-
-
 class TorchTrainModule:
     """The torch trainer's model (parallelized), AdamW and DCP checkpoints, as
     ``olmo_run.TrainModule``."""
@@ -427,7 +418,10 @@ class TorchTrainModule:
         model = build_model(spec, seed=recipe.train.seed, device=d.device)
         init = plan.init
         if init is not None and init.is_hf:
-            load_hf(model, read_safetensors(init.path), source=f"init.checkpoint={recipe.init.checkpoint}")
+            from safetensors.torch import load_file
+
+            tensors = {k: v for f in init.safetensors_files() for k, v in load_file(f).items()}
+            load_hf(model, tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
         self.model = prepare_model(model, recipe, d, mesh, experts)
         self.optimizer = make_optimizer(self.model, recipe, d.device)
         if plan.resume is not None:

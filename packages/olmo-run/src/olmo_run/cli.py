@@ -1,0 +1,54 @@
+"""The command line both trainers share: ``olmo-train-{jax,torch} [RECIPE.yaml] [--key=value ...]``.
+
+Bad input (a recipe, spec, data or checkpoint problem) is one line on stderr and exit status 2,
+before anything is written; a run that diverges is one line and exit status 3, with the newest
+checkpoint the last good state.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from olmo_data import DataError
+from olmo_model import SpecError, UnknownDeviceError
+from olmo_model.recipe import Recipe, RecipeError, load_recipe
+from olmo_model.runlog import TrainingDivergedError, TrainingStateError
+
+# Bad input, as opposed to a bug, whichever trainer reads it (each adds its own weight errors).
+INPUT_ERRORS: tuple[type[Exception], ...] = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError)
+
+
+def run_cli(
+    prog: str,
+    doc: str | None,
+    argv: list[str] | None,
+    train: Callable[[], Callable[[Recipe], Any]],
+    input_errors: tuple[type[Exception], ...],
+    *,
+    reports: Callable[[], bool] = lambda: True,
+    cleanup: Callable[[], None] | None = None,
+) -> int:
+    """Parse ``argv`` (default: sys.argv), run ``train()(recipe)``, map failures to exit statuses.
+    ``train`` returns the trainer's entry point, so a framework import can wait until the recipe
+    parsed; ``reports`` says whether this process prints errors (rank 0); ``cleanup`` runs last."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(doc)
+        return 0
+    path = args.pop(0) if args and not args[0].startswith("--") else None
+    try:
+        train()(load_recipe(path, args))
+    except input_errors as err:
+        if reports():
+            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingDivergedError as err:
+        if reports():
+            print(f"{prog}: stopped: {err}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        if cleanup is not None:
+            cleanup()
+    return 0
