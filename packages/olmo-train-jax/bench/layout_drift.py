@@ -10,7 +10,9 @@ Both runs are ``python -m olmo_train_jax`` in subprocesses (simulated CPU device
 ``XLA_FLAGS``) in a temporary folder, with the same recipe: by default tiny-moe, learned
 routing, fp32, 16 sequences of 64 tokens of the embedded sample mixture per step; anything
 after ``--`` is added to both runs (dotted overrides). Prints one line per step and the first
-step whose routing differs. Learned top-k routing is discontinuous: once a router score pair
+step whose routing differs. The loss difference is set against ``olmo_model.fp32_mean_tolerance``
+(the bound the trainers' cross-layout tests allow: a reordered fp32 sum of the step's token
+losses) and the grad norms' relative difference is printed beside it. Learned top-k routing is discontinuous: once a router score pair
 is within rounding of a tie, the layouts' different gradient summation orders can send a
 (token, slot) to another expert, and the runs part from then on.
 """
@@ -24,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from olmo_model import fp32_mean_tolerance
 from olmo_model.runlog import read_metrics
 
 DEFAULTS = [
@@ -66,17 +69,23 @@ def main() -> None:
         many = run(Path(tmp) / "mesh", args.devices, [*common, *mesh])
     moe = "moe_tokens_per_expert" in one[1]
     print(f"1 device vs {args.devices} devices ({args.mesh}); {' '.join(args.overrides) or 'defaults'}")
-    print("| step | loss, 1 device | loss, mesh | abs difference |" + (" same routing |" if moe else ""))
-    print("|---:|---:|---:|---:|" + ("---|" if moe else ""))
+    tokens = next(int(o.split("=")[1]) for o in reversed(common) if o.startswith("--train.global_batch_tokens="))
+    print(
+        "| step | loss, 1 device | loss, mesh | abs difference | fp32 bound | grad norm rel. difference |"
+        + (" same routing |" if moe else "")
+    )
+    print("|---:|---:|---:|---:|---:|---:|" + ("---|" if moe else ""))
     first_flip = None
     for s in sorted(one):
         a, b = one[s], many[s]
         same = a.get("moe_tokens_per_expert") == b.get("moe_tokens_per_expert")
         if moe and not same and first_flip is None:
             first_flip = s
+        bound = fp32_mean_tolerance(a["loss"], tokens)
+        norm_rel = abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"]
         print(
-            f"| {s} | {a['loss']:.7f} | {b['loss']:.7f} | {abs(a['loss'] - b['loss']):.2e} |"
-            + (f" {'yes' if same else 'no'} |" if moe else "")
+            f"| {s} | {a['loss']:.7f} | {b['loss']:.7f} | {abs(a['loss'] - b['loss']):.2e} | {bound:.2e} |"
+            f" {norm_rel:.2e} |" + (f" {'yes' if same else 'no'} |" if moe else "")
         )
     upto = [abs(one[s]["loss"] - many[s]["loss"]) for s in sorted(one) if first_flip is None or s < first_flip]
     if moe:
@@ -85,7 +94,8 @@ def main() -> None:
             f"{max(upto, default=0.0):.2e}"
         )
     else:
-        print(f"largest loss difference: {max(upto):.2e}")
+        worst = max(abs(one[s]["grad_norm"] - many[s]["grad_norm"]) / one[s]["grad_norm"] for s in one)
+        print(f"largest loss difference: {max(upto):.2e}; largest grad norm relative difference: {worst:.2e}")
 
 
 if __name__ == "__main__":

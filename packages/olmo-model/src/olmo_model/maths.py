@@ -225,12 +225,13 @@ def fp32_mean_tolerance(mean: float, count: int, *, both_fp32: bool = True, sigm
 
     Summing n terms one after the other, the k-th addition rounds a partial sum S_k ~ k*|mean|
     with a relative error of at most u, taken as uniform in [-u, u] (variance (u*S_k)^2 / 3; an
-    over-estimate, since the error is uniform over half an ulp and an ulp is u..2u of S_k: the
-    simulated spread is 0.70-0.76 of this); the errors add up to a variance u^2 mean^2 n^3 / 9,
-    so the mean's rounding error has standard deviation u * |mean| * sqrt(n) / 3. Sequential order is the worst one a backend realistically picks
-    (pairwise and blocked sums round far less), so this bounds the other orders too. Two fp32
-    runs differ by sqrt(2) of that; a run against a float64 reference by one of it. ``sigmas``
-    6 puts a false alarm below one in 10^8 comparisons. Olmo-sized example: 1024 tokens at loss
-    8.3 give 4.5e-5 between two fp32 runs."""
+    over-estimate, since the error is uniform over half an ulp and an ulp is u..2u of S_k;
+    ``test_fp32_mean_tolerance_bounds_a_sequential_fp32_sum`` checks the simulated spread lies
+    between 0.6 and 1 of this). The errors add up to a variance u^2 mean^2 n^3 / 9, so the mean's
+    rounding error has standard deviation u * |mean| * sqrt(n) / 3. Sequential order is the worst
+    one a backend realistically picks (pairwise and blocked sums round far less), so this bounds
+    the other orders too. Two fp32 runs differ by sqrt(2) of that; a run against a float64
+    reference by one of it. ``sigmas`` 6 puts a false alarm below one in 10^8 comparisons.
+    Olmo-sized example: 1024 tokens at loss 8.3 give 4.5e-5 between two fp32 runs."""
     std = FP32_UNIT_ROUNDOFF * abs(mean) * count**0.5 / 3
     return sigmas * std * (2**0.5 if both_fp32 else 1.0)
