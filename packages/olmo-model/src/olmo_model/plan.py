@@ -193,7 +193,7 @@ def _changes(a: Plan, b: Plan) -> list[str]:
     return out
 
 
-def _parse_devices(text: str) -> tuple[str, int]:
+def parse_devices(text: str) -> tuple[str, int]:
     kind, _, count = text.partition(":")
     if not count.isdigit() or int(count) <= 0:
         raise RecipeError(f"--devices '{text}': write KIND:COUNT, e.g. h100:512")
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         recipe = load_recipe(args.recipe, overrides)
-        plans = [make_plan(recipe, *_parse_devices(d), args.mfu) for d in args.devices]
+        plans = [make_plan(recipe, *parse_devices(d), args.mfu) for d in args.devices]
     except (RecipeError, UnknownDeviceError, ValueError) as err:
         print(f"olmo-plan: {err}", file=sys.stderr)
         return 2

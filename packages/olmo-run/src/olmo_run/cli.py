@@ -1,6 +1,7 @@
-"""The command line both trainers share: ``olmo-train-{jax,torch} [RECIPE.yaml] [--key=value ...]``.
+"""The command line both trainers share: ``olmo-train-{jax,torch} [RECIPE.yaml] [--key=value ...]``
+and ``... --dry-run --devices KIND:COUNT [--json]`` (``olmo_run.dry_run``).
 
-Bad input (a recipe, spec, data or checkpoint problem) is one line on stderr and exit status 2,
+A dry run exits 0 when the step fits the devices and 1 when it does not. Bad input (a recipe, spec, data or checkpoint problem) is one line on stderr and exit status 2,
 before anything is written; a run that diverges is one line and exit status 3, with the newest
 checkpoint the last good state.
 """
@@ -16,6 +17,8 @@ from olmo_model import SpecError, UnknownDeviceError
 from olmo_model.recipe import Recipe, RecipeError, load_recipe
 from olmo_model.runlog import TrainingDivergedError, TrainingStateError
 
+from .dry_run import DryRunReport, parse_dry_run_args, print_report
+
 # Bad input, as opposed to a bug, whichever trainer reads it (each adds its own weight errors).
 INPUT_ERRORS: tuple[type[Exception], ...] = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError)
 
@@ -29,17 +32,25 @@ def run_cli(
     *,
     reports: Callable[[], bool] = lambda: True,
     cleanup: Callable[[], None] | None = None,
+    dry_run: Callable[[], Callable[[Recipe, str, int], DryRunReport]] | None = None,
 ) -> int:
     """Parse ``argv`` (default: sys.argv), run ``train()(recipe)``, map failures to exit statuses.
     ``train`` returns the trainer's entry point, so a framework import can wait until the recipe
-    parsed; ``reports`` says whether this process prints errors (rank 0); ``cleanup`` runs last."""
+    parsed; ``reports`` says whether this process prints errors (rank 0); ``cleanup`` runs last.
+    ``dry_run`` returns the trainer's ``(recipe, device_kind, count) -> DryRunReport``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         print(doc)
         return 0
     path = args.pop(0) if args and not args[0].startswith("--") else None
     try:
-        train()(load_recipe(path, args))
+        args, dry = parse_dry_run_args(args)
+        recipe = load_recipe(path, args)
+        if dry is not None:
+            if dry_run is None:
+                raise RecipeError(f"{prog} has no --dry-run")
+            return print_report(recipe, dry_run()(recipe, dry.device_kind, dry.count), dry.as_json)
+        train()(recipe)
     except input_errors as err:
         if reports():
             print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
