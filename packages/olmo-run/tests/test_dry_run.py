@@ -104,3 +104,19 @@ def test_run_cli_sends_dry_run_to_the_trainers_measurement_and_never_trains(caps
 
     assert run_cli("olmo-train-x", None, [RECIPE, "--dry-run"], train, INPUT_ERRORS, dry_run=lambda: measure) == 2
     assert "--dry-run needs --devices" in capsys.readouterr().err
+
+
+def test_print_recipe_prints_the_resolved_recipe_and_help_lists_the_keys(capsys):
+    def train():
+        raise AssertionError("--print-recipe must not train")
+
+    argv = ["--print-recipe", RECIPE, "--optim.lr=1e-4"]
+    assert run_cli("olmo-train-x", "DOC", argv, train, INPUT_ERRORS) == 0
+    printed = capsys.readouterr().out
+    assert load_recipe(RECIPE, ["--optim.lr=1e-4"]).to_yaml() == printed
+    assert "lr: 0.0001" in printed
+
+    assert run_cli("olmo-train-x", "DOC", ["--help"], train, INPUT_ERRORS) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "DOC"
+    assert any(line.startswith("  --checkpoint.every=50  (int)") for line in lines)

@@ -41,8 +41,8 @@ class DataSection(_Section):
 
 class OptimSection(_Section):
     lr: float = Field(3e-3, gt=0)  # peak LR of the toy default (Olmo 3 7B stage 1 uses 3e-4)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2), as Olmo 3
+    eps: float = Field(1e-8, gt=0)  # AdamW epsilon
     weight_decay: float = Field(0.1, ge=0)  # decoupled (AdamW)
     decay_embeddings: bool = False  # Olmo 3: no weight decay on the input embedding
     decay_norms: bool = True  # OLMo-core decays norm weights too; set false to exclude them
@@ -53,7 +53,7 @@ class SpikeGuardSection(_Section):
     """Skip an update whose loss or grad norm is far above its recent history (OLMo-core's
     SkipStepAdamW idea): z-score over the last `window` accepted steps."""
 
-    enabled: bool = False
+    enabled: bool = False  # skip updates whose loss or grad norm spikes
     window: int = Field(128, ge=2)  # accepted steps the statistics come from
     sigma: float = Field(6.0, gt=0)  # skip when value > mean + sigma * std
     min_history: int = Field(20, ge=2)  # never skip before this many accepted steps
@@ -117,11 +117,18 @@ class LogSection(_Section):
 class JaxSection(_Section):
     """JAX-only knobs: never change the maths."""
 
+    # Device mesh axis sizes (data, fsdp, tensor, expert); -1 takes the devices left.
     mesh: dict[str, int] = Field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
-    remat: Literal["none", "block", "save_dots"] = "none"
+    remat: Literal["none", "block", "save_dots"] = (
+        "none"  # activation recompute: none, whole block, keep matmul outputs
+    )
     # auto: cuDNN's fused flash attention on GPU (bf16, no document masking), XLA elsewhere
     attention: Literal["auto", "xla", "cudnn"] = "auto"
-    distributed: bool = False  # call jax.distributed.initialize() (multi-host)
+    distributed: bool = False  # join a multi-process job (TPU VM / Slurm detected); implied by the three keys below
+    coordinator_address: str | None = None  # HOST:PORT of process 0; null: $JAX_COORDINATOR_ADDRESS or detected
+    num_processes: int | None = Field(None, gt=0)  # processes in the job; null: $JAX_NUM_PROCESSES or detected
+    process_id: int | None = Field(None, ge=0)  # this process's index; null: $JAX_PROCESS_ID or detected
+    heartbeat_timeout_seconds: int = Field(100, gt=0)  # a process silent this long is dead: all the others exit
 
     @field_validator("mesh")
     @classmethod
@@ -137,7 +144,7 @@ class JaxSection(_Section):
 class TorchSection(_Section):
     """Torch-only knobs: never change the maths."""
 
-    parallel: Literal["fsdp", "hsdp", "ddp", "none"] = "fsdp"
+    parallel: Literal["fsdp", "hsdp", "ddp", "none"] = "fsdp"  # how parameters and gradients are split over ranks
     replicate: int = Field(1, gt=0)  # HSDP replicate groups (shard size = world / replicate)
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False  # per block
@@ -290,9 +297,9 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
                 out[key] = dict(value)
                 continue
             merged = _merge(out[key], value)
-            if "tokens" in value and "steps" not in value:
+            if value.get("tokens") is not None and "steps" not in value:
                 merged["steps"] = None
-            if "steps" in value and "tokens" not in value:
+            if value.get("steps") is not None and "tokens" not in value:
                 merged["tokens"] = None
             out[key] = merged
         else:

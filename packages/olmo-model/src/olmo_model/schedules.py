@@ -29,7 +29,7 @@ def _cos(progress: float, start: float, end: float) -> float:
 
 
 class ConstantSchedule(_Sched):
-    kind: Literal["constant"] = "constant"
+    kind: Literal["constant"] = "constant"  # one of constant, cosine, stitched_cosine, linear, wsd
 
     def lr(self, step: int, peak: float, total_steps: int) -> float:
         w = self._warm(step, peak)
@@ -39,7 +39,7 @@ class ConstantSchedule(_Sched):
 class CosineSchedule(_Sched):
     """Warmup then a single cosine from the peak to alpha x peak at the last step."""
 
-    kind: Literal["cosine"] = "cosine"
+    kind: Literal["cosine"] = "cosine"  # one of constant, cosine, stitched_cosine, linear, wsd
     alpha: float = Field(0.1, ge=0)  # final LR as a fraction of the peak (Olmo 3 stage 1: 0.1)
 
     def lr(self, step: int, peak: float, total_steps: int) -> float:
@@ -58,7 +58,7 @@ class StitchedCosineSchedule(_Sched):
     takes the LR from the value reached there down to ``final_alpha x peak`` at the end.
     """
 
-    kind: Literal["stitched_cosine"] = "stitched_cosine"
+    kind: Literal["stitched_cosine"] = "stitched_cosine"  # one of constant, cosine, stitched_cosine, linear, wsd
     switch_step: int = Field(gt=0)  # where the second cosine starts
     first_total_steps: int = Field(gt=0)  # length the first cosine was planned for
     alpha: float = Field(0.1, ge=0)  # end of the first (planned) cosine, x peak
@@ -89,7 +89,7 @@ class LinearSchedule(_Sched):
     """Warmup then linear decay to final_lr x peak at the last step (Olmo 3 stage 2 anneal:
     from about 2.07e-4 linearly to 0)."""
 
-    kind: Literal["linear"] = "linear"
+    kind: Literal["linear"] = "linear"  # one of constant, cosine, stitched_cosine, linear, wsd
     alpha: float = Field(0.0, ge=0)  # final LR as a fraction of the peak
 
     def lr(self, step: int, peak: float, total_steps: int) -> float:
@@ -104,7 +104,7 @@ class LinearSchedule(_Sched):
 class WSDSchedule(_Sched):
     """Warmup-stable-decay: constant at the peak, then decay over the last part."""
 
-    kind: Literal["wsd"] = "wsd"
+    kind: Literal["wsd"] = "wsd"  # one of constant, cosine, stitched_cosine, linear, wsd
     decay_fraction: float = Field(0.1, gt=0, le=1)  # share of total steps spent decaying
     decay_shape: Literal["linear", "cosine"] = "linear"
     alpha: float = Field(0.0, ge=0)  # final LR as a fraction of the peak

@@ -1,9 +1,11 @@
 """The command line both trainers share: ``olmo-train-{jax,torch} [RECIPE.yaml] [--key=value ...]``
-and ``... --dry-run --devices KIND:COUNT [--json]`` (``olmo_run.dry_run``).
+and ``... --dry-run --devices KIND:COUNT [--json]`` (``olmo_run.dry_run``). ``--help`` lists every
+recipe key with its default and meaning; ``--print-recipe`` prints the resolved recipe and exits.
 
-A dry run exits 0 when the step fits the devices and 1 when it does not. Bad input (a recipe, spec, data or checkpoint problem) is one line on stderr and exit status 2,
-before anything is written; a run that diverges is one line and exit status 3, with the newest
-checkpoint the last good state.
+A dry run exits 0 when the step fits the devices and 1 when it does not. Bad input (a recipe,
+spec, data or checkpoint problem) is one line on stderr and exit status 2, before anything is
+written; a run that diverges is one line and exit status 3, with the newest checkpoint the last
+good state.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from olmo_data import DataError
 from olmo_model import SpecError, UnknownDeviceError
 from olmo_model.recipe import Recipe, RecipeError, load_recipe
+from olmo_model.recipe_help import recipe_help
 from olmo_model.runlog import TrainingDivergedError, TrainingStateError
 
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
@@ -40,12 +43,16 @@ def run_cli(
     ``dry_run`` returns the trainer's ``(recipe, device_kind, count) -> DryRunReport``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print(doc)
+        print(f"{doc}\n{recipe_help()}")
         return 0
-    path = args.pop(0) if args and not args[0].startswith("--") else None
     try:
-        args, dry = parse_dry_run_args(args)
+        print_recipe = "--print-recipe" in args
+        args, dry = parse_dry_run_args([a for a in args if a != "--print-recipe"])
+        path = args.pop(0) if args and not args[0].startswith("--") else None
         recipe = load_recipe(path, args)
+        if print_recipe:
+            print(recipe.to_yaml(), end="")
+            return 0
         if dry is not None:
             if dry_run is None:
                 raise RecipeError(f"{prog} has no --dry-run")
