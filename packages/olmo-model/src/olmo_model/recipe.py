@@ -119,9 +119,7 @@ class JaxSection(_Section):
 
     # Device mesh axis sizes (data, fsdp, tensor, expert); -1 takes the devices left.
     mesh: dict[str, int] = Field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
-    remat: Literal["none", "block", "save_dots"] = (
-        "none"  # activation recompute: none, whole block, keep matmul outputs
-    )
+    remat: Literal["none", "block", "save_dots"] = "none"  # recompute in backward: none, block, save_dots
     # auto: cuDNN's fused flash attention on GPU (bf16, no document masking), XLA elsewhere
     attention: Literal["auto", "xla", "cudnn"] = "auto"
     distributed: bool = False  # join a multi-process job (TPU VM / Slurm detected); implied by the three keys below
