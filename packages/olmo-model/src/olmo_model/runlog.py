@@ -3,7 +3,8 @@ guard, training-state metadata checks, the end-of-run summary and the loss-curve
 
 Run dir layout (the same for both trainers, so one tool reads both)::
 
-    RUN/recipe.yaml        the resolved recipe, as run
+    RUN/recipe.yaml        the resolved recipe the run started with
+    RUN/recipe_history.jsonl  per resume that changed keys: {"step", "changes": {key: [old, new]}, "recipe"}
     RUN/spec.json          the resolved ModelSpec
     RUN/metrics.jsonl      one JSON object per line: kind "train" (per step) or "eval"
     RUN/checkpoints/step_00000010/   a checkpoint (framework format inside); complete once its
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from .recipe import MoESection, OptimSection, Recipe, TrainSection
@@ -78,14 +80,58 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True) -> Path:
-    """Create the run dir and write the resolved recipe and spec (main process only)."""
+RECIPE_HISTORY_FILE = "recipe_history.jsonl"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def recipe_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted key -> [old, new] for every leaf that differs (a key only one side has included)."""
+    a, b = _flat(old), _flat(new)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resumed_at: int | None = None) -> Path:
+    """Create the run dir and write the resolved recipe and spec (main process only).
+
+    A fresh run writes ``recipe.yaml``. A resumed run (``resumed_at``: the checkpoint's step)
+    keeps it as the record of what the run started with; the keys this launch changes (the
+    ones allowed to change: cadences, steps, anything ``checkpoint.allow_recipe_change`` let
+    through) are printed and appended with the step to ``recipe_history.jsonl``."""
     run_dir = recipe.resolved_run_dir()
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "recipe.yaml", recipe.to_yaml())
+        recorded = run_dir / "recipe.yaml"
+        current = recipe.model_dump(mode="json")
+        if resumed_at is not None and recorded.exists():
+            history = _read_history(run_dir)
+            effective = yaml.safe_load(history[-1]["recipe"]) if history else yaml.safe_load(recorded.read_text())
+            changes = recipe_changes(effective or {}, current)
+            if changes:
+                for key, (old, new) in changes.items():
+                    print(f"recipe change at step {resumed_at}: {key}: {old!r} -> {new!r}", flush=True)
+                record = {"step": resumed_at, "changes": changes, "recipe": recipe.to_yaml()}
+                lines = [json.dumps(r) for r in [*history, record]]
+                write_atomic(run_dir / RECIPE_HISTORY_FILE, "\n".join(lines) + "\n")  # whole, never half a line
+        else:  # a fresh start: its recipe, and no history of an earlier run's resumes
+            write_atomic(recorded, recipe.to_yaml())
+            (run_dir / RECIPE_HISTORY_FILE).unlink(missing_ok=True)
         write_atomic(run_dir / "spec.json", spec.model_dump_json(indent=2))
     return run_dir
+
+
+def _read_history(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / RECIPE_HISTORY_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ---- checkpoints: metadata shared by both trainers -----------------------------------------
