@@ -3,14 +3,19 @@
     uv run --frozen olmo-convert SRC DST [--dtype float32|bfloat16] [--spec PRESET_OR_FILE] [--overwrite]
 
 SRC and DST are ``hf:DIR``, ``olmo-core:PATH`` (.pt file or DCP dir), ``torch:DIR`` or
-``jax:DIR`` (formats in tools/README.md); ``torch-run:RUN_OR_CHECKPOINT`` and ``jax-run:DIR``
-convert a whole training state between the trainers (olmo_tools.train_state). For example:
+``jax:DIR`` (formats in tools/README.md); a ``torch:``/``jax:`` source may also be a trainer
+checkpoint, ``RUN/checkpoints/latest`` or a run dir. ``torch-run:RUN_OR_CHECKPOINT`` and
+``jax-run:DIR`` on both sides convert a whole training state between the trainers
+(olmo_tools.train_state); as a source for weights alone they read as ``torch:``/``jax:``. For example:
 
     uv run --frozen olmo-convert olmo-core:step1000/model.pt hf:out/olmo3-1b --spec olmo3-1b --dtype bfloat16
+    uv run --frozen olmo-convert jax:runs/a hf:out/a        # a JAX run's latest checkpoint, with its tokenizer
     uv run --frozen olmo-convert hf:out/olmo3-1b jax:out/olmo3-1b-jax
 
-Every tensor is checked against the spec before anything is written; the result is built
-in a temporary sibling of DST and renamed into place only when complete.
+An hf: export also gets the tokenizer (``--tokenizer``, a trainer checkpoint's mixture, or an hf:
+source's) and generation_config.json (olmo_tools.hf_tokenizer). Every tensor is checked against
+the spec before anything is written; the result is built in a temporary sibling of DST and renamed
+into place only when complete. Only jax: and jax-run: need JAX (the olmo-tools[jax] extra).
 """
 
 from __future__ import annotations
@@ -35,9 +40,11 @@ from .formats import (
     check_destination,
     open_checkpoint,
     parse_location,
+    require_jax,
     write_hf,
     write_olmo_core,
 )
+from .hf_tokenizer import export_tokenizer
 
 
 def convert(
@@ -48,28 +55,48 @@ def convert(
     spec: str | ModelSpec | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = 5 * 2**30,
+    tokenizer: str | None = None,
 ) -> ModelSpec:
-    """Convert SRC to DST (``KIND:PATH`` strings); ``dtype`` None keeps each tensor's stored dtype.
-    Returns the spec of the converted model; raises CheckpointError on any bad input.
-    ``torch-run:``/``jax-run:`` on both sides convert a whole training state (train_state.py)."""
-    from .train_state import convert_training_state, is_run_location
+    """Convert SRC to DST (``KIND:PATH`` strings); ``dtype`` None keeps each tensor's stored dtype;
+    ``tokenizer`` (a tokenizer.json or an HF tokenizer folder) is the one an hf: export gets.
+    Returns the spec of the converted model (an hf: export's: with its special-token ids); raises
+    CheckpointError on any bad input. ``torch-run:``/``jax-run:`` on both sides convert a whole
+    training state (train_state.py); as a source of weights alone they read as torch:/jax:."""
+    from .train_state import RUN_KINDS, convert_training_state, is_run_location
 
-    if is_run_location(src) or is_run_location(dst):
+    if is_run_location(dst):
+        if not is_run_location(src):
+            raise CheckpointError(
+                f"{dst}: a run is written from a training state (a {' or '.join(k + ':' for k in RUN_KINDS)} source), "
+                f"and {src} holds weights only; to start a run from weights, set init.checkpoint in its recipe"
+            )
         if dtype is not None:
             raise CheckpointError("--dtype does not apply to a training state: it stays float32 (master weights)")
+        if tokenizer is not None:
+            raise CheckpointError("--tokenizer applies to hf: destinations only; a run keeps its mixture's")
         return convert_training_state(src, dst, overwrite=overwrite)
+    if is_run_location(src):
+        kind, _, path = src.partition(":")
+        src = f"{kind.removesuffix('-run')}:{path}"  # the weights of that training state
     src_loc, dst_loc = parse_location(src), parse_location(dst)
     if src_loc.path.absolute() == dst_loc.path.absolute():
         raise CheckpointError(f"{dst}: destination is the source; write to another path")
+    if tokenizer is not None and dst_loc.kind != "hf":
+        raise CheckpointError(f"{dst}: --tokenizer applies to hf: destinations only; {dst_loc.kind}: holds weights")
     check_destination(dst_loc.path, overwrite)
+    if dst_loc.kind == "jax":
+        require_jax(dst)
     with open_checkpoint(src_loc, spec) as ckpt:
 
         def dtype_of(name: str) -> torch.dtype:
             return dtype or ckpt.stored[name][1]
 
+        export, why_none = export_tokenizer(ckpt, tokenizer) if dst_loc.kind == "hf" else (None, "")
         with atomic_destination(dst_loc.path, overwrite) as tmp:
             if dst_loc.kind == "hf":
-                write_hf(tmp, ckpt.spec, ckpt.tensor, dtype_of, max_shard_bytes)
+                write_hf(tmp, ckpt.spec if export is None else export.spec, ckpt.tensor, dtype_of, max_shard_bytes)
+                if export is not None:
+                    export.write(tmp)
             elif dst_loc.kind == "olmo-core":
                 write_olmo_core(tmp, ckpt, dtype_of, as_file=dst_loc.path.suffix == ".pt")
             elif dst_loc.kind == "torch":
@@ -82,7 +109,12 @@ def convert(
                 stored = {d for _, d in ckpt.stored.values()}
                 keep_bf16 = dtype is None and stored == {torch.bfloat16}
                 write_jax(tmp, ckpt, "bfloat16" if dtype == torch.bfloat16 or keep_bf16 else "float32")
-        return ckpt.spec
+        if dst_loc.kind == "hf" and export is None:
+            print(
+                f"olmo-convert: {dst} has no tokenizer: {why_none}; pass --tokenizer FILE_OR_DIR to add one",
+                file=sys.stderr,
+            )
+        return ckpt.spec if export is None else export.spec
 
 
 def _size_of(path: Path) -> int:
@@ -104,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="replace an existing DST (only once the new one is complete)"
     )
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="hf: split safetensors above this size (GiB)")
+    parser.add_argument(
+        "--tokenizer",
+        help="hf: the tokenizer.json or HF tokenizer folder to export with (default: a trainer checkpoint's "
+        "mixture's, or an hf: source's)",
+    )
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     start = time.perf_counter()
@@ -115,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             spec=args.spec,
             overwrite=args.overwrite,
             max_shard_bytes=int(args.max_shard_gb * 2**30),
+            tokenizer=args.tokenizer,
         )
     except (CheckpointError, SpecError) as err:
         print(f"olmo-convert: error: {err}", file=sys.stderr)  # one line, never wrapped

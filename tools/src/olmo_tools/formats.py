@@ -54,6 +54,7 @@ CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes last
+TOKENIZER_FILE = "tokenizer.json"  # a fast (tokenizers) tokenizer, as HF folders hold it
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPE_FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
@@ -133,11 +134,15 @@ def olmo_core_name(hf_name: str) -> str:
 
 # ---- the reader interface ----------------------------------------------------------------
 class Checkpoint:
-    """A readable checkpoint: ``spec``, ``stored`` (interchange name -> (shape, dtype)) and ``tensor(name)``."""
+    """A readable checkpoint: ``spec``, ``stored`` (interchange name -> (shape, dtype)) and ``tensor(name)``;
+    where it knows its tokenizer, ``mixture`` (a trainer checkpoint: the mixture its recipe trained
+    on) or ``tokenizer_dir`` (an HF folder holding a tokenizer.json)."""
 
     origin: str
     spec: ModelSpec
     stored: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    mixture: str | None = None
+    tokenizer_dir: Path | None = None
 
     def tensor(self, name: str) -> torch.Tensor:
         raise NotImplementedError
@@ -178,6 +183,18 @@ def resolve_spec(stored: ModelSpec | None, given: str | ModelSpec | None, origin
                 "drop --spec to use the checkpoint's own config, or fix the spec"
             )
     return stored
+
+
+def require_jax(use: str) -> None:
+    """A one-line CheckpointError unless the JAX trainer (jax, flax, orbax) can be imported: the
+    olmo-tools[jax] extra, which conversions between torch/OLMo-core and hf do not need."""
+    try:
+        import olmo_train_jax  # noqa: F401 - imported for the check; its users import what they need
+    except ImportError as err:
+        raise CheckpointError(
+            f"{use}: needs the JAX trainer, which is not installed ({err}); install olmo-tools[jax] "
+            "(in this workspace: uv sync --package olmo-tools --extra jax, or uv sync --all-packages)"
+        ) from None
 
 
 def verified_trainer_meta(ckpt: Path) -> dict:
@@ -230,6 +247,8 @@ class HFCheckpoint(Checkpoint):
         except (SpecError, KeyError, json.JSONDecodeError) as err:
             raise CheckpointError(f"{cfg_path}: not a usable Olmo3 config ({err})") from None
         self.spec = resolve_spec(own, spec, self.origin, CONFIG_FILE)
+        if (path / TOKENIZER_FILE).is_file():
+            self.tokenizer_dir = path
         if (path / INDEX_FILE).is_file():
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
             files = sorted(set(weight_map.values()))

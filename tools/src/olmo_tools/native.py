@@ -11,7 +11,11 @@
   (in, out)). Read and written through olmo_train_jax's ``model_from_hf``/``to_hf``, so a
   jax: side holds the whole model in memory once.
 
-Both write ``spec.json`` next to the weights, so they carry their config.
+Both write ``spec.json`` next to the weights, so they carry their config. Both also read a
+trainer's own checkpoints (``native.trainer_checkpoint``): a checkpoint folder
+(``RUN/checkpoints/step_N``), ``RUN/checkpoints/latest`` or a run dir ``RUN`` (its latest complete
+checkpoint), verified against the sizes and sha256 its meta.json records, the spec from there;
+their ``mixture`` names the mixture the weights were trained on (for an hf: export's tokenizer).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import numpy as np
 import torch
 
 from olmo_model import ModelSpec, hf_param_shapes
+from olmo_model.init_source import LATEST, resolve_checkpoint
 from olmo_model.presets import SpecError, spec_from_dict
+from olmo_model.runlog import CheckpointDamagedError, TrainingStateError
 
 from .formats import (
     DCP_METADATA,
@@ -32,6 +38,7 @@ from .formats import (
     DCPDir,
     checked_tensor,
     load_torch_file,
+    require_jax,
     resolve_spec,
     save_dcp,
     verified_trainer_meta,
@@ -39,29 +46,73 @@ from .formats import (
 
 SPEC_FILE = "spec.json"
 META_FILE = "meta.json"  # written last into each trainer checkpoint (olmo_model.runlog)
+RUN_CHECKPOINTS = "checkpoints"  # a run dir's checkpoint folders
 TORCH_FILE = "model.pt"
 JAX_STATE = "state"
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_spec_file(path: Path) -> ModelSpec:
-    """The ModelSpec of a torch:/jax: folder: its spec.json or, for one checkpoint folder of a
-    training run (``runs/NAME/checkpoints/step-N``), the spec recorded in its meta.json, once
-    the folder's files match the checksums recorded there too."""
+    """The ModelSpec of a torch:/jax: folder that olmo-convert wrote: its spec.json."""
     file = path / SPEC_FILE
     try:
-        if not file.is_file() and (path / META_FILE).is_file():
-            return spec_from_dict(verified_trainer_meta(path)["spec"], source=str(path / META_FILE))
-        if not file.is_file():
-            raise CheckpointError(
-                f"{path / SPEC_FILE}: not found; torch:/jax: directories carry their ModelSpec as spec.json "
-                f"(a trainer checkpoint folder carries it in {META_FILE})"
-            )
         return spec_from_dict(json.loads(file.read_text()), source=str(file))
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{file}: not valid JSON ({err}); rewrite it from ModelSpec.model_dump_json()") from None
     except SpecError as err:
         raise CheckpointError(str(err)) from None
+
+
+def trainer_checkpoint(path: Path, kind: str) -> tuple[Path, dict] | None:
+    """(checkpoint folder, its verified meta.json) when ``kind:path`` names a trainer checkpoint,
+    ``RUN/checkpoints/latest`` or a run dir (its latest complete checkpoint); None for a folder
+    olmo-convert wrote (spec.json beside the weights; a run dir has a spec.json too, and
+    checkpoints/). A checkpoint of the other trainer is refused with the kind to name it by."""
+    if (path / SPEC_FILE).is_file() and not (path / RUN_CHECKPOINTS).is_dir():
+        return None
+    if path.name != LATEST and not path.exists():
+        raise CheckpointError(
+            f"{path}: not found; {kind}:PATH is a folder olmo-convert wrote ({SPEC_FILE} beside the weights), "
+            f"a {kind} trainer checkpoint (RUN/{RUN_CHECKPOINTS}/step_N), RUN/{RUN_CHECKPOINTS}/{LATEST} or a run dir"
+        )
+    looks_like_one = (path / META_FILE).is_file() or (path / RUN_CHECKPOINTS).is_dir() or path.name == LATEST
+    if not looks_like_one and not path.name.startswith("step_"):
+        # The folder inside a checkpoint (its state/ or a file of it) is the likely slip.
+        inside = next((p for p in path.absolute().parents if (p / META_FILE).is_file()), None)
+        fix = f"name the checkpoint folder itself: {kind}:{inside}" if inside else f"name one of those as {kind}:PATH"
+        raise CheckpointError(
+            f"{path}: has no {SPEC_FILE} (a {kind}: folder olmo-convert wrote), {META_FILE} (a trainer checkpoint) "
+            f"or {RUN_CHECKPOINTS}/ (a run dir); {fix}"
+        )
+    try:
+        _, ckpt = resolve_checkpoint(path)
+    except CheckpointDamagedError as err:
+        raise CheckpointError(
+            f"{err}; convert an intact checkpoint (an older step of that run) or restore it from a copy"
+        ) from None
+    except TrainingStateError as err:
+        raise CheckpointError(str(err)) from None
+    meta = verified_trainer_meta(ckpt)
+    if meta["framework"] != kind:
+        raise CheckpointError(
+            f"{ckpt}: its {META_FILE} says this is a {meta['framework']} trainer checkpoint, not a {kind} one; "
+            f"name it {meta['framework']}:{path}"
+        )
+    return ckpt, meta
+
+
+def _trainer_spec(ckpt: Path, meta: dict) -> ModelSpec:
+    try:
+        return spec_from_dict(meta["spec"], source=str(ckpt / META_FILE))
+    except SpecError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def _trainer_mixture(meta: dict) -> str | None:
+    """The mixture a trainer checkpoint's recipe trained on (a YAML path or "sample")."""
+    data = meta["recipe"].get("data") if isinstance(meta["recipe"], dict) else None
+    mixture = data.get("mixture") if isinstance(data, dict) else None
+    return mixture if isinstance(mixture, str) else None
 
 
 def write_spec_file(path: Path, spec: ModelSpec) -> None:
@@ -96,8 +147,15 @@ def _local_names(spec: ModelSpec) -> dict[str, str]:
 
 class TorchCheckpoint(Checkpoint):
     def __init__(self, path: Path, spec: str | ModelSpec | None = None):
-        self.origin = f"torch:{path}"
-        self.spec = resolve_spec(read_spec_file(path), spec, self.origin, SPEC_FILE)
+        found = trainer_checkpoint(path, "torch")
+        if found is None:
+            self.origin = f"torch:{path}"
+            self.spec = resolve_spec(read_spec_file(path), spec, self.origin, SPEC_FILE)
+        else:
+            path, meta = found
+            self.origin = f"torch:{path}"
+            self.spec = resolve_spec(_trainer_spec(path, meta), spec, self.origin, META_FILE)
+            self.mixture = _trainer_mixture(meta)
         hf_of = {local: hf for hf, local in _local_names(self.spec).items()}
         self._dcp: DCPDir | None = None
         self._state = None
@@ -113,13 +171,13 @@ class TorchCheckpoint(Checkpoint):
         prefixed = any(k.startswith("model.") and k.removeprefix("model.") in hf_of for k in stored)
         self._key: dict[str, str] = {}
         self.stored = {}
-        for key, meta in stored.items():
+        for key, shape_dtype in stored.items():
             if prefixed and not key.startswith("model."):
                 continue
             local = key.removeprefix("model.") if prefixed else key
             name = hf_of.get(local, local)  # unknown names surface as unexpected tensors
             self._key[name] = key
-            self.stored[name] = meta
+            self.stored[name] = shape_dtype
 
     def tensor(self, name: str) -> torch.Tensor:
         key = self._key[name]
@@ -140,30 +198,65 @@ def write_torch(dst: Path, ckpt: Checkpoint, dtype_of) -> None:
 # ---- jax: ------------------------------------------------------------------------------------
 class JaxCheckpoint(Checkpoint):
     def __init__(self, path: Path, spec: str | ModelSpec | None = None):
-        import orbax.checkpoint as ocp
-        from flax import nnx
-
-        from olmo_train_jax import OlmoModel, to_hf
-
-        self.origin = f"jax:{path}"
-        self.spec = resolve_spec(read_spec_file(path), spec, self.origin, SPEC_FILE)
-        state_dir = (path / JAX_STATE).absolute()
-        if not state_dir.is_dir():
-            raise CheckpointError(
-                f"{state_dir}: not found; a jax: directory holds spec.json and an Orbax checkpoint in state/"
-            )
-        pure = ocp.StandardCheckpointer().restore(state_dir)
-        param_dtype = np.asarray(pure["embed"]).dtype if "embed" in pure else np.float32
-        model = nnx.eval_shape(lambda: OlmoModel(self.spec, rngs=nnx.Rngs(0), param_dtype=param_dtype))
-        state = nnx.state(model, nnx.Param)
-        _check_jax_tree(state_dir, self.spec, nnx.to_pure_dict(state), pure)
-        nnx.replace_by_pure_dict(state, pure)
-        nnx.update(model, state)
-        self._tensors = to_hf(model, self.spec)
+        require_jax(f"jax:{path}")
+        found = trainer_checkpoint(path, "jax")
+        if found is None:
+            self.origin = f"jax:{path}"
+            self.spec = resolve_spec(read_spec_file(path), spec, self.origin, SPEC_FILE)
+            self._tensors = _read_jax_dir(path, self.spec)
+        else:
+            path, meta = found
+            self.origin = f"jax:{path}"
+            self.spec = resolve_spec(_trainer_spec(path, meta), spec, self.origin, META_FILE)
+            self.mixture = _trainer_mixture(meta)
+            self._tensors = _read_jax_trainer_weights(path, self.spec)
         self.stored = {k: (v.shape, _TORCH_DTYPES[v.dtype.name]) for k, v in self._tensors.items()}
 
     def tensor(self, name: str) -> torch.Tensor:
         return checked_tensor(self, name, numpy_to_torch(self._tensors[name]))
+
+
+def _read_jax_dir(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
+    """The interchange tensors of a jax: folder olmo-convert wrote (spec.json + state/)."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from olmo_train_jax import OlmoModel, to_hf
+
+    state_dir = (path / JAX_STATE).absolute()
+    if not state_dir.is_dir():
+        raise CheckpointError(
+            f"{state_dir}: not found; a jax: directory holds spec.json and an Orbax checkpoint in state/"
+        )
+    pure = ocp.StandardCheckpointer().restore(state_dir)
+    param_dtype = np.asarray(pure["embed"]).dtype if "embed" in pure else np.float32
+    model = nnx.eval_shape(lambda: OlmoModel(spec, rngs=nnx.Rngs(0), param_dtype=param_dtype))
+    state = nnx.state(model, nnx.Param)
+    _check_jax_tree(state_dir, spec, nnx.to_pure_dict(state), pure)
+    nnx.replace_by_pure_dict(state, pure)
+    nnx.update(model, state)
+    return to_hf(model, spec)
+
+
+def _read_jax_trainer_weights(ckpt: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
+    """The interchange tensors of a JAX trainer checkpoint's parameters, restored by the trainer's
+    own ``restore_state`` (weights only: its ``state/`` also holds the AdamW state and the step)
+    onto this process's first device."""
+    import jax
+    from flax import nnx
+
+    from olmo_train_jax import build_model, to_hf
+    from olmo_train_jax.checkpoint import abstract_like, restore_state
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(spec)))
+    shapes = nnx.to_pure_dict(state)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    try:
+        params, _, _ = restore_state(ckpt, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)), None)
+    except TrainingStateError as err:
+        raise CheckpointError(str(err)) from None
+    nnx.replace_by_pure_dict(state, params)
+    return to_hf(nnx.merge(graphdef, state), spec)
 
 
 def _flatten(tree, prefix: str = "") -> dict[str, tuple[int, ...]]:

@@ -45,6 +45,7 @@ from .formats import (
     HFCheckpoint,
     open_checkpoint,
     parse_location,
+    require_jax,
     spec_disagreement,
     validate,
 )
@@ -86,6 +87,7 @@ def load_side(text: str, impl: str | None, dtype: str, spec: str | None = None) 
                     return model(torch.from_numpy(ids)).float().numpy()
 
         elif impl == "jax":
+            require_jax(text)
             import jax.numpy as jnp
             from flax import nnx
 

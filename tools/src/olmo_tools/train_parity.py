@@ -37,7 +37,7 @@ from olmo_model import ModelSpec
 from olmo_model.recipe import Recipe, RecipeError, load_recipe
 from olmo_model.runlog import read_metrics, write_atomic
 
-from .formats import CheckpointError, atomic_destination, write_hf
+from .formats import CheckpointError, atomic_destination, require_jax, write_hf
 
 FRAMEWORKS = ("torch", "jax")
 INIT_DIR = "init-hf"
@@ -144,6 +144,7 @@ def check_thresholds(
 def run_train_parity(args: argparse.Namespace) -> int:
     if args.steps <= 0:
         raise TrainParityError(f"--steps {args.steps} must be positive")
+    require_jax("olmo-parity train")
     forced = [f"--train.steps={args.steps}", "--train.precision=fp32"]
     try:
         recipe: Recipe = load_recipe(args.recipe, [*args.overrides, *forced])

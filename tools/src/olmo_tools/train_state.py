@@ -46,6 +46,7 @@ from .formats import (
     Location,
     atomic_destination,
     parse_location,
+    require_jax,
     spec_disagreement,
     verified_trainer_meta,
 )
@@ -358,6 +359,9 @@ def convert_training_state(src: str, dst: str, *, overwrite: bool = False) -> Mo
             f"{src} -> {dst}: a training state converts between torch-run: and jax-run: only; "
             "for weights alone use hf:/torch:/jax:"
         )
+    for text in (src, dst):
+        if text.startswith("jax-run:"):
+            require_jax(text)
     state = read_training_state(src)
     expected = hf_param_shapes(state.spec)
     for name, shape in expected.items():
