@@ -2,6 +2,7 @@
 loader and held-out leakage checks. numpy only: no torch or jax import here."""
 
 from olmo_data.errors import DataError, ShardCorruptError
+from olmo_data.fileio import StorageError
 from olmo_data.leakage import LeakageError, LeakageReport, assert_no_leakage, check_leakage, open_training_mixture
 from olmo_data.loader import MixtureLoader
 from olmo_data.mixture import Mixture, load_mixture
@@ -16,6 +17,7 @@ __all__ = [
     "MixtureLoader",
     "RepetitionLimitError",
     "ShardCorruptError",
+    "StorageError",
     "assert_no_leakage",
     "check_leakage",
     "load_mixture",

@@ -2,7 +2,8 @@
 
 A mixture names the training sources (with a ratio or a token target each), the held-out
 sources, the sequence length, seed, eos and vocab, and the eval/leakage settings (see the
-package README for the full YAML). Paths are relative to the YAML's folder. Loading opens
+package README for the full YAML). Paths are relative to the YAML's folder; a path (and the
+YAML itself) may also be a ``gs://`` / ``s3://`` URL (`olmo_data.fileio`). Loading opens
 every source, so a missing file, a wrong dtype, an id beyond the vocab, a source shorter
 than one sequence or a held-out file that is also trained on fails at load time with a
 one-line `DataError` naming the file, the field and the fix.
@@ -21,6 +22,7 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from olmo_data import fileio
 from olmo_data.errors import DataError
 from olmo_data.order import GlobalOrder, derive_key, largest_remainder
 from olmo_data.storage import TokenSource, content_sha256, open_source, resolve_paths
@@ -94,7 +96,7 @@ class MixtureConfig(_Strict):
         return self
 
 
-def _validation_message(path: Path, err: ValidationError) -> str:
+def _validation_message(path: Path | str, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
@@ -110,12 +112,14 @@ def _validation_message(path: Path, err: ValidationError) -> str:
 
 
 class Mixture:
-    """A loaded, validated mixture with its sources opened (use `load_mixture`)."""
+    """A loaded, validated mixture with its sources opened (use `load_mixture`). `path` is
+    the YAML's resolved local Path, or its URL; `root`, its folder, what source paths are
+    relative to."""
 
-    def __init__(self, config: MixtureConfig, path: Path) -> None:
+    def __init__(self, config: MixtureConfig, path: Path | str) -> None:
         self.config = config
         self.path = path
-        self.root = path.parent
+        self.root: Path | str = fileio.dirname(path) if isinstance(path, str) else path.parent
         self.training_files = [self._resolve(s, f"sources.{i}") for i, s in enumerate(config.sources)]
         self.held_out_files = [self._resolve(h, f"held_out.{i}") for i, h in enumerate(config.held_out)]
         self.training_sources = [self._open(s, f) for s, f in zip(config.sources, self.training_files)]
@@ -132,9 +136,10 @@ class Mixture:
 
     def _resolve(self, src: SourceConfig | HeldOutConfig, field: str) -> list[str]:
         try:
-            return resolve_paths([str(self.root / p) for p in src.paths], src.format)
+            return resolve_paths([fileio.join(self.root, p) for p in src.paths], src.format)
         except DataError as e:
-            raise DataError(f"{self.path}: {field}.paths ({src.name}): {e}") from None
+            # The same class: a caller can still tell a missing bucket from a missing file.
+            raise type(e)(f"{self.path}: {field}.paths ({src.name}): {e}") from None
 
     def _open(self, src: SourceConfig | HeldOutConfig, files: list[str]) -> TokenSource:
         return open_source(
@@ -143,15 +148,17 @@ class Mixture:
 
     def _check(self) -> None:
         seq = self.config.sequence_length
-        trained = {
-            os.path.realpath(f): s.name for s, files in zip(self.config.sources, self.training_files) for f in files
-        }
+
+        def same(f: str) -> str:  # one name per file: symlinks resolved locally, URLs as normalized
+            return f if fileio.is_remote(f) else os.path.realpath(f)
+
+        trained = {same(f): s.name for s, files in zip(self.config.sources, self.training_files) for f in files}
         for h, files in zip(self.config.held_out, self.held_out_files):
             for f in files:
-                if os.path.realpath(f) in trained:
+                if same(f) in trained:
                     raise DataError(
                         f"{self.path}: held_out {h.name!r} file {f} is also in training source "
-                        f"{trained[os.path.realpath(f)]!r}; held-out data must never be trained on: remove it from one"
+                        f"{trained[same(f)]!r}; held-out data must never be trained on: remove it from one"
                     )
         named = [("sources", s.name, src) for s, src in zip(self.config.sources, self.training_sources)]
         named += [("held_out", n, src) for n, src in self.held_out_sources.items()]
@@ -202,11 +209,14 @@ class Mixture:
         ]
 
     def source_identity(self, source: TokenSource) -> list[dict[str, Any]]:
-        """What identifies a source's files: relative name, size, token count, dtype, and their
-        content: the manifest's chunk checksums for shards, the sha256 of every byte for raw
-        files (`content_sha256`: computed once, then cached by the file's stat; the value
-        never depends on mtimes or location). Computed once per source and mixture, so the
-        eval set and the fingerprint agree for the life of the mixture."""
+        """What identifies a source's files: name relative to the YAML's folder (a file that
+        is not below it, such as a URL named by a local YAML, by its full path), size, token
+        count, dtype, and their content: the manifest's chunk checksums for shards, the sha256
+        of every byte for raw files (`content_sha256`: computed once, then cached by the file's
+        stat or object version; the value never depends on mtimes or location). So a mixture
+        folder copied to a bucket, YAML included, keeps its fingerprint. Computed once per
+        source and mixture, so the eval set and the fingerprint agree for the life of the
+        mixture."""
         memo = self._identities.get(id(source))
         if memo is not None and memo[0] is source:
             return memo[1]
@@ -214,8 +224,8 @@ class Mixture:
         out = []
         for p in parts:
             item = {
-                "file": os.path.relpath(p.path, self.root),
-                "bytes": os.path.getsize(p.path),
+                "file": fileio.relpath(p.path, self.root),
+                "bytes": fileio.size(p.path),
                 "tokens": int(p.num_tokens),
                 "dtype": np.dtype(p.dtype).name,
             }
@@ -262,22 +272,24 @@ class Mixture:
 
 
 def load_mixture(path: str | os.PathLike) -> Mixture:
-    """Load and validate a mixture YAML; the word "sample" names the embedded sample."""
+    """Load and validate a mixture YAML (a local path or a URL); the word "sample" names the
+    embedded sample."""
     if str(path) == SAMPLE:
         from olmo_data.sample import sample_mixture_path
 
         path = sample_mixture_path()
-    path = Path(path)
+    name = fileio.normalize(path)
+    where: Path | str = name if fileio.is_remote(name) else Path(name)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(fileio.read_text(where))
     except FileNotFoundError:
-        raise DataError(f"{path}: mixture file not found; check the path (or use 'sample')") from None
+        raise DataError(f"{where}: mixture file not found; check the path (or use 'sample')") from None
     except yaml.YAMLError as e:
-        raise DataError(f"{path}: not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
+        raise DataError(f"{where}: not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
     if not isinstance(raw, dict):
-        raise DataError(f"{path}: a mixture must be a YAML mapping with name, sources, ...; see the README")
+        raise DataError(f"{where}: a mixture must be a YAML mapping with name, sources, ...; see the README")
     try:
         config = MixtureConfig.model_validate(raw)
     except ValidationError as e:
-        raise DataError(_validation_message(path, e)) from None
-    return Mixture(config, path.resolve())
+        raise DataError(_validation_message(where, e)) from None
+    return Mixture(config, where if isinstance(where, str) else where.resolve())

@@ -15,7 +15,13 @@ sha256 of both its compressed and its uncompressed bytes. A read verifies the sh
 compressed bytes it touches and zstd verifies the xxh64 of the decompressed bytes
 (measured: ~1.7 ms per 2 MB for sha256 vs ~3 ms to decompress 1M tokens);
 `ShardSource.verify()` also re-checks every uncompressed sha256. A file is complete iff it
-is present under its final name: `ShardWriter` writes a temp file and renames it.
+is present under its final name: `ShardWriter` writes a temp file and renames (or, for a
+``gs://`` / ``s3://`` URL, uploads) it.
+
+Shards are read through `olmo_data.fileio.RangeReader`, locally or from object storage with
+the same code: opening reads the magic and the file's tail (footer and manifest) in one
+round of two ranged reads, and a token read fetches only the compressed chunks it touches,
+so reading one window of a remote shard costs about one compressed chunk, never the file.
 """
 
 from __future__ import annotations
@@ -26,13 +32,13 @@ import os
 import struct
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zstandard
 
 from olmo_data.errors import DataError, ShardCorruptError
+from olmo_data.fileio import AtomicWriter, RangeReader
 
 SHARD_SUFFIX = ".shard"
 _MAGIC = b"OLMOSHD1"
@@ -46,6 +52,9 @@ DEFAULT_CHUNK_TOKENS = 1 << 20
 _ZSTD_LEVEL = 3
 # Decompressed chunks kept per shard: enough for a few interleaved sequential readers.
 _CACHE_CHUNKS = 4
+# Opening reads this much of the file's end, which holds the footer and, for shards of up to
+# ~200 chunks (200M tokens at the default chunk size), the whole manifest: one read, not two.
+_TAIL_BYTES = 64 << 10
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -63,7 +72,8 @@ def check_dtype(dtype: Any, where: str) -> np.dtype:
 
 class ShardWriter:
     """Writes one shard file atomically: documents go in with `add_document`, `close()`
-    renames the finished temp file into place (a crash leaves no file under `path`).
+    renames the finished temp file into place, or uploads it when `path` is a URL (a crash
+    leaves no file under `path`; see `olmo_data.fileio.AtomicWriter`).
 
     Tokens are stored as given; callers append the eos id to each document themselves
     (`olmo-data tokenize` and the sample do), as OLMo-core/Dolma token files do.
@@ -78,13 +88,12 @@ class ShardWriter:
     ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"ShardWriter({path}): chunk_tokens must be > 0, got {chunk_tokens}")
-        self.path = Path(path)
         self.dtype = check_dtype(dtype, f"ShardWriter({path})")
         self.chunk_tokens = chunk_tokens
         self.metadata = dict(metadata or {})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{id(self):x}.tmp")
-        self._file = open(self._tmp, "wb")
+        self._out = AtomicWriter(path)
+        self.path = self._out.path
+        self._file = self._out.file
         self._file.write(_MAGIC)
         self._compressor = zstandard.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=True)
         self._pending: list[np.ndarray] = []
@@ -141,8 +150,8 @@ class ShardWriter:
             "sha256_uncompressed": _sha256(raw),
         }
 
-    def close(self) -> Path:
-        """Finish the shard and rename it into place; returns its path."""
+    def close(self) -> str:
+        """Finish the shard and put it in place; returns its path."""
         if self._closed:
             return self.path
         if self._num_tokens == 0:
@@ -166,18 +175,13 @@ class ShardWriter:
         blob = json.dumps(manifest, sort_keys=True).encode()
         self._file.write(blob)
         self._file.write(_FOOTER.pack(len(blob), _FOOTER_MAGIC))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._tmp, self.path)
         self._closed = True
-        return self.path
+        return self._out.commit()
 
     def abort(self) -> None:
         """Drop the unfinished shard (no file is left under `path`)."""
         if not self._closed:
-            self._file.close()
-            self._tmp.unlink(missing_ok=True)
+            self._out.abort()
             self._closed = True
 
     def __enter__(self) -> ShardWriter:
@@ -192,21 +196,29 @@ class ShardWriter:
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a shard file, checking magic, footer and sizes (not the chunk hashes)."""
-    path = Path(path)
+    return _read_manifest(RangeReader(path))
+
+
+def _read_manifest(reader: RangeReader) -> dict[str, Any]:
+    path = reader.path
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(len(_MAGIC))
-            if size < len(_MAGIC) + _FOOTER.size:
-                raise ShardCorruptError(f"{path}: truncated shard ({size} bytes); re-create it (olmo-data tokenize)")
-            f.seek(size - _FOOTER.size)
-            length, magic = _FOOTER.unpack(f.read(_FOOTER.size))
-            if head != _MAGIC or magic != _FOOTER_MAGIC or length > size - _FOOTER.size - len(_MAGIC):
-                raise ShardCorruptError(
-                    f"{path}: not a complete olmo shard (bad magic or footer: truncated?); re-create it"
-                )
-            f.seek(size - _FOOTER.size - length)
-            manifest = json.loads(f.read(length))
+        size = reader.size()
+        if size < len(_MAGIC) + _FOOTER.size:
+            raise ShardCorruptError(f"{path}: truncated shard ({size} bytes); re-create it (olmo-data tokenize)")
+        tail_len = min(size, _TAIL_BYTES)
+        head, tail = reader.pread_many([(0, len(_MAGIC)), (size - tail_len, tail_len)])
+        if len(tail) != tail_len:
+            raise ShardCorruptError(f"{path}: shorter than its {size} bytes while read (truncated?); re-create it")
+        length, magic = _FOOTER.unpack(tail[-_FOOTER.size :])
+        if head != _MAGIC or magic != _FOOTER_MAGIC or length > size - _FOOTER.size - len(_MAGIC):
+            raise ShardCorruptError(
+                f"{path}: not a complete olmo shard (bad magic or footer: truncated?); re-create it"
+            )
+        if length + _FOOTER.size <= tail_len:
+            blob = tail[tail_len - _FOOTER.size - length : tail_len - _FOOTER.size]
+        else:
+            blob = reader.pread(size - _FOOTER.size - length, length)
+        manifest = json.loads(blob)
     except FileNotFoundError:
         raise DataError(f"{path}: shard file not found; check the path or glob in the mixture") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -225,11 +237,13 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
 
 
 class ShardSource:
-    """A `TokenSource` over one shard file. Thread-safe; picklable (reopens the file lazily)."""
+    """A `TokenSource` over one shard file, local or a URL. Thread-safe; picklable (reopens the
+    file lazily)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = str(path)
-        self.manifest = read_manifest(path)
+        self._reader = RangeReader(path)
+        self.path = self._reader.path
+        self.manifest = _read_manifest(self._reader)
         self.dtype = check_dtype(self.manifest["dtype"], self.path)
         self.num_tokens: int = int(self.manifest["num_tokens"])
         self.num_docs: int = int(self.manifest["num_docs"])
@@ -241,13 +255,12 @@ class ShardSource:
 
     def _init_runtime(self) -> None:
         self._lock = threading.Lock()
-        self._fd: int | None = None
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._doc_starts: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_lock", "_fd", "_cache", "_doc_starts"):
+        for key in ("_lock", "_cache", "_doc_starts"):
             state.pop(key)
         return state
 
@@ -255,23 +268,14 @@ class ShardSource:
         self.__dict__.update(state)
         self._init_runtime()
 
-    def __del__(self) -> None:
-        fd = getattr(self, "_fd", None)
-        if fd is not None:
-            os.close(fd)
-
     def __repr__(self) -> str:
         return f"ShardSource({self.path!r}, tokens={self.num_tokens}, docs={self.num_docs})"
 
     def _read_block(self, block: dict[str, Any], what: str) -> bytes:
-        if self._fd is None:
-            with self._lock:
-                if self._fd is None:
-                    try:
-                        self._fd = os.open(self.path, os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise DataError(f"{self.path}: shard file vanished after opening; check the path") from None
-        comp = os.pread(self._fd, block["compressed_size"], block["offset"])
+        try:
+            comp = self._reader.pread(block["offset"], block["compressed_size"])
+        except FileNotFoundError:
+            raise DataError(f"{self.path}: shard file vanished after opening; check the path") from None
         if len(comp) != block["compressed_size"] or _sha256(comp) != block["sha256_compressed"]:
             raise ShardCorruptError(
                 f"{self.path}: {what} is corrupt (sha256 of compressed bytes differs from the manifest); re-create the shard"

@@ -1,17 +1,28 @@
-"""Token sources: random access to token ids stored on disk, whatever the format.
+"""Token sources: random access to token ids stored on disk or in object storage, whatever
+the format. Every path may be local, ``file://``, ``gs://`` or ``s3://`` (`olmo_data.fileio`).
 
 - `RawTokenFile`: an OLMo-core/Dolma token file as they write it: a headerless array of
-  uint16/uint32 ids (read with np.memmap), each document followed by the eos id.
+  uint16/uint32 ids (local: np.memmap; remote: one ranged read per `read`), each document
+  followed by the eos id.
 - `ShardSource` / `ShardWriter` (in `olmo_data.shards`): our zstd shard format.
 - `ConcatSource`: several files as one logical source, in sorted path order.
 - `open_source(...)`: resolves paths, globs and shard directories into one of the above,
   checking missing files, empty globs, dtype and vocab.
-- `content_sha256(path)`: the sha256 of a file's bytes, cached on disk by its stat (the
-  fingerprint of raw files, which carry no checksums of their own).
+- `content_sha256(path)`: the sha256 of a file's bytes, cached on disk by its stat or, for
+  an object, its (URL, size, generation or ETag) (the fingerprint of raw files, which carry
+  no checksums of their own).
 
 Every source returns uint32 ids from `read(start, stop)` and the sorted start offset of
 every document from `doc_starts()`. Sources hold no open handles when pickled (Grain
 worker processes reopen them).
+
+A raw file carries no document index, so its documents are found by scanning every token
+for eos. For a remote file that scan streams the object once (the same pass computes its
+sha256) and its result, 8 bytes per document, is cached under cache_root()/raw-index keyed
+by (URL, size, version, dtype, eos): every later open on the machine, by any rank or
+restart, reads that small file instead of the object. No cache of token bytes is kept: the
+data order visits every window once per epoch in a shuffled order, so a local cache smaller
+than the data would rarely hit, and shards already keep their last decompressed chunks.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any, Literal, Protocol, Sequence
 
 import numpy as np
 
+from olmo_data import fileio
 from olmo_data.errors import DataError
 from olmo_data.shards import SHARD_SUFFIX, ShardSource, ShardWriter, check_dtype
 
@@ -86,19 +98,14 @@ class TokenSource(Protocol):
     def doc_starts(self) -> np.ndarray: ...
 
 
-def _probe_words(f: Any, size: int) -> np.ndarray:
-    """[n, 2] little-endian uint16 halves of up to _PROBE_BLOCKS x _PROBE_WORDS 4-byte words
-    spread evenly over an open file of `size` bytes (a multiple of 4)."""
+def _probe_ranges(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of up to _PROBE_BLOCKS runs of _PROBE_WORDS 4-byte words spread evenly
+    over a file of `size` bytes (a multiple of 4)."""
     words = size // 4
     if words <= _PROBE_BLOCKS * _PROBE_WORDS:
-        starts, count = [0], words
-    else:
-        starts, count = np.linspace(0, words - _PROBE_WORDS, _PROBE_BLOCKS).astype(np.int64).tolist(), _PROBE_WORDS
-    parts = []
-    for start in starts:
-        f.seek(4 * start)
-        parts.append(np.frombuffer(f.read(4 * count), dtype="<u2"))
-    return np.concatenate(parts).reshape(-1, 2)
+        return [(0, 4 * words)]
+    starts = np.linspace(0, words - _PROBE_WORDS, _PROBE_BLOCKS).astype(np.int64).tolist()
+    return [(4 * start, 4 * _PROBE_WORDS) for start in starts]
 
 
 class RawTokenFile:
@@ -111,7 +118,7 @@ class RawTokenFile:
     """
 
     def __init__(self, path: str | os.PathLike, dtype: Any = "uint16", eos_token_id: int | None = None) -> None:
-        self.path = str(path)
+        self.path = fileio.normalize(path)
         self.dtype = check_dtype(dtype, self.path)
         if eos_token_id is None:
             raise DataError(
@@ -119,7 +126,7 @@ class RawTokenFile:
             )
         self.eos_token_id = int(eos_token_id)
         try:
-            size = os.path.getsize(self.path)
+            size = fileio.size(self.path)
         except FileNotFoundError:
             raise DataError(f"{self.path}: token file not found; check the path or glob") from None
         itemsize = self.dtype.itemsize
@@ -131,11 +138,18 @@ class RawTokenFile:
             )
         if size == 0:
             raise DataError(f"{self.path}: empty token file; remove it from the mixture")
-        with open(self.path, "rb") as f:
-            if size % 4 == 0:  # otherwise the file cannot be uint32 ids, nor read as them
-                self._check_dtype(_probe_words(f, size))
-            f.seek(size - itemsize)
-            last = int(np.frombuffer(f.read(itemsize), dtype=self.dtype.newbyteorder("<"))[0])
+        self.remote = fileio.is_remote(self.path)
+        reader = fileio.RangeReader(self.path)
+        # Local reads go through the memmap; only a remote file keeps its reader.
+        self._reader = reader if self.remote else None
+        # One round of reads (concurrent on object storage): the probe, then the last token.
+        probe = _probe_ranges(size) if size % 4 == 0 else []  # otherwise it cannot be uint32 ids
+        parts = reader.pread_many([*probe, (size - itemsize, itemsize)])
+        if sum(map(len, parts)) != sum(n for _, n in probe) + itemsize:
+            raise DataError(f"{self.path}: shorter than its {size} bytes while read; retry once it is complete")
+        if probe:
+            self._check_dtype(np.frombuffer(b"".join(parts[:-1]), dtype="<u2").reshape(-1, 2))
+        last = int(np.frombuffer(parts[-1], dtype=self.dtype.newbyteorder("<"))[0])
         if last != self.eos_token_id:
             # Writers end every document with eos, so a file that does not end with it lost
             # its tail (a copy or export cut short by a multiple of the item size).
@@ -185,6 +199,9 @@ class RawTokenFile:
         return self._mm
 
     def _scan(self) -> None:
+        if self.remote:
+            self._starts, self._max_token_id = _remote_raw_index(self)
+            return
         tokens = self._tokens()
         ends, largest = [], 0
         for lo in range(0, self.num_tokens, _SCAN_TOKENS):
@@ -216,7 +233,56 @@ class RawTokenFile:
     def read(self, start: int, stop: int) -> np.ndarray:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"{self.path}: read [{start}, {stop}) outside [0, {self.num_tokens})")
-        return self._tokens()[start:stop].astype(np.uint32)
+        if not self.remote:
+            return self._tokens()[start:stop].astype(np.uint32)
+        assert self._reader is not None  # kept for every remote file
+        itemsize = self.dtype.itemsize
+        raw = self._reader.pread(start * itemsize, (stop - start) * itemsize)
+        if len(raw) != (stop - start) * itemsize:
+            raise DataError(
+                f"{self.path}: read of tokens [{start}, {stop}) came back short: the object shrank after opening; "
+                "re-upload it and restart"
+            )
+        return np.frombuffer(raw, dtype=self.dtype.newbyteorder("<")).astype(np.uint32)
+
+
+def _remote_raw_index(src: RawTokenFile) -> tuple[np.ndarray, int]:
+    """(document starts, largest id) of a remote raw file: from the cache (module docstring)
+    or by streaming the object once, which also records its content sha256."""
+    st = fileio.stat(src.path)
+    if st.size != src.num_tokens * src.dtype.itemsize:
+        raise DataError(f"{src.path}: changed size since it was opened ({st.size} bytes); restart to reopen it")
+    key = ["raw-index", st.path, st.size, st.version, src.dtype.name, src.eos_token_id]
+    entry = cache_root() / "raw-index" / f"v1-{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.npz"
+    try:
+        with np.load(entry) as cached:
+            if json.loads(str(cached["key"])) == key:
+                return cached["starts"], int(cached["max_token_id"])
+    except (OSError, ValueError, KeyError):
+        pass  # no entry, or an unreadable one: scan the object
+    digest = hashlib.sha256()
+    dtype = src.dtype.newbyteorder("<")
+    ends, largest, pos = [], 0, 0
+    # STREAM_BLOCK_BYTES is a multiple of 4, so no token straddles two blocks.
+    for block in fileio.iter_blocks(src.path):
+        digest.update(block)
+        tokens = np.frombuffer(block, dtype=dtype)
+        ends.append(np.flatnonzero(tokens == src.eos_token_id).astype(np.int64) + pos + 1)
+        largest = max(largest, int(tokens.max()))
+        pos += tokens.size
+    if fileio.stat(src.path) != st:
+        raise DataError(f"{src.path}: the object was replaced while it was scanned; retry once it is settled")
+    starts = np.concatenate([np.zeros(1, np.int64), *ends])
+    starts = starts[starts < src.num_tokens]  # the final eos ends the last document; it starts none
+    _cache_sha256(["url", st.path, st.size, st.version], digest.hexdigest())
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f"{entry.stem}.tmp{os.getpid()}.npz")
+        np.savez(tmp, key=np.array(json.dumps(key)), starts=starts, max_token_id=np.array(largest))
+        os.replace(tmp, entry)
+    except OSError:
+        pass  # a read-only cache costs a re-scan next time, nothing else
+    return starts, largest
 
 
 class ConcatSource:
@@ -283,9 +349,55 @@ def cache_root() -> Path:
     return Path(os.environ.get("OLMO_CACHE") or Path.home() / ".cache" / "olmo-twin")
 
 
+def _sha256_entry(key: list) -> Path:
+    return cache_root() / "file-sha256" / f"v1-{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.json"
+
+
+def _cached_sha256(key: list) -> str | None:
+    try:
+        cached = json.loads(_sha256_entry(key).read_text())
+        if cached["key"] == key:
+            return cached["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no entry, or an unreadable one: hash the file
+    return None
+
+
+def _cache_sha256(key: list, digest: str) -> None:
+    entry = _sha256_entry(key)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "sha256": digest}))
+        os.replace(tmp, entry)
+    except OSError:
+        pass  # a read-only cache costs a re-hash next time, nothing else
+
+
+def _remote_sha256(url: str) -> str:
+    """content_sha256 of an object. Keyed by (URL, size, version): an object is never edited
+    in place, every upload makes a new generation (GCS) or ETag and modification time (S3),
+    so no "racy" window applies. The stored checksums are not used as the value: GCS keeps
+    an MD5 (absent for composite objects) and a CRC32C, S3 an ETag that is an MD5 only for
+    single-part unencrypted uploads; none is the sha256 a local copy of the bytes gives."""
+    st = fileio.stat(url)
+    key = ["url", st.path, st.size, st.version]
+    cached = _cached_sha256(key)
+    if cached is not None:
+        return cached
+    digest = hashlib.sha256()
+    for block in fileio.iter_blocks(url):
+        digest.update(block)
+    if fileio.stat(url) != st:
+        raise DataError(f"{url}: the object was replaced while it was hashed; retry once it is settled")
+    _cache_sha256(key, digest.hexdigest())
+    return digest.hexdigest()
+
+
 def content_sha256(path: str | os.PathLike) -> str:
     """sha256 (hex) of a file's bytes, streamed (bounded memory), cached in
-    cache_root()/file-sha256 under its (real path, size, mtime_ns, ctime_ns, inode).
+    cache_root()/file-sha256 under its (real path, size, mtime_ns, ctime_ns, inode); for an
+    object (gs://, s3://) under its (URL, size, version), see `_remote_sha256`.
     sha256 rather than blake2b: CPUs with SHA extensions run it faster, and the shard
     manifests already use it.
 
@@ -299,6 +411,9 @@ def content_sha256(path: str | os.PathLike) -> str:
     than _RACY_NS before hashing. Not seen: an edit that bypasses the file system (writes
     to the block device) or a clock set back.
     """
+    path = fileio.normalize(path)
+    if fileio.is_remote(path):
+        return _remote_sha256(path)
     real = os.path.realpath(path)
 
     def stat_key() -> list:
@@ -307,49 +422,39 @@ def content_sha256(path: str | os.PathLike) -> str:
 
     key = stat_key()
     mtime_ns = key[2]
-    entry = cache_root() / "file-sha256" / f"v1-{hashlib.sha256(json.dumps(key).encode()).hexdigest()}.json"
-    try:
-        cached = json.loads(entry.read_text())
-        if cached["key"] == key:
-            return cached["sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no entry, or an unreadable one: hash the file
+    cached = _cached_sha256(key)
+    if cached is not None:
+        return cached
     started = time.time_ns()
     with open(real, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
     # Cache only a file that was settled before the hash began and did not change during it.
     if started - mtime_ns >= _RACY_NS and stat_key() == key:
-        try:
-            entry.parent.mkdir(parents=True, exist_ok=True)
-            tmp = entry.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"key": key, "sha256": digest}))
-            os.replace(tmp, entry)
-        except OSError:
-            pass  # a read-only cache costs a re-hash next time, nothing else
+        _cache_sha256(key, digest)
     return digest
 
 
 def resolve_paths(path_or_glob: str | os.PathLike | Sequence[str | os.PathLike], format: str) -> list[str]:
-    """Files named by paths, globs or (shards) directories, sorted and de-duplicated."""
+    """Files named by paths, globs or (shards) directories, local or URLs, sorted and de-duplicated."""
     items = [path_or_glob] if isinstance(path_or_glob, (str, os.PathLike)) else list(path_or_glob)
     if not items:
         raise DataError("open_source: no paths given; list at least one file or glob")
     suffix = SHARD_SUFFIX if format == "shards" else ".npy"
     found: set[str] = set()
     for item in items:
-        item = str(item)
+        item = fileio.normalize(item)
         if glob.has_magic(item):
-            matches = [m for m in glob.glob(item, recursive=True) if os.path.isfile(m)]
+            matches = fileio.glob(item)
             if not matches:
                 raise DataError(f"{item}: glob matches no file; check the pattern (relative to the mixture YAML)")
             found.update(matches)
-        elif os.path.isdir(item):
-            matches = [str(p) for p in Path(item).rglob(f"*{suffix}") if p.is_file()]
+        elif fileio.isfile(item):
+            found.add(item)
+        elif fileio.isdir(item):
+            matches = fileio.find(item, suffix)
             if not matches:
                 raise DataError(f"{item}: directory holds no *{suffix} file; point at the {format} files")
             found.update(matches)
-        elif os.path.isfile(item):
-            found.add(item)
         else:
             raise DataError(f"{item}: file not found; check the path (relative to the mixture YAML)")
     return sorted(found)

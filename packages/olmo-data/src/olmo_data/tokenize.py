@@ -10,6 +10,10 @@ rows of a hub dataset. Units are sorted; job i of n takes units i, i+n, i+2n, ..
 writes `<unit>-<part>.shard` files (unit: the input's path below the common input folder) of at most --docs-per-shard documents, each document's
 ids followed by eos. A shard already present with a valid manifest for the same input
 and first document is skipped, so a killed run resumes where it stopped.
+
+--output (and --tokenizer) may be a ``gs://`` / ``s3://`` URL (`olmo_data.fileio`): each shard
+is written to a local temp file and uploaded once complete, so a killed job leaves no partial
+object and the resume check works on the bucket as on a folder.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from olmo_data import fileio
 from olmo_data.errors import DataError
+from olmo_data.fileio import StorageError
 from olmo_data.shards import DEFAULT_CHUNK_TOKENS, SHARD_SUFFIX, ShardWriter, read_manifest
 
 _JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
@@ -184,13 +190,17 @@ def _documents(unit: Unit, opts: Options) -> Iterator[str]:
             yield row[opts.text_field]
 
 
-def _finished(path: Path, unit: Unit, first_doc: int) -> bool:
+def _finished(path: str, unit: Unit, first_doc: int) -> bool:
     """A shard from an earlier run is reusable if complete and written for this very part."""
-    if not path.exists():
+    # exists() raises on missing credentials, a missing bucket or a network failure, so those
+    # stop the job here instead of passing for "not written yet".
+    if not fileio.exists(path):
         return False
     try:
         meta = read_manifest(path)["metadata"]
-    except DataError:
+    except StorageError:
+        raise  # cannot read the store: not evidence that the shard is unfinished
+    except DataError:  # truncated, corrupt, or gone since exists()
         return False
     return meta.get("unit") == unit.name and meta.get("first_input_doc") == first_doc
 
@@ -205,10 +215,10 @@ def _init_worker(tokenizer_path: str, quiet_threads: bool) -> None:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    _TOKENIZER = Tokenizer.from_file(tokenizer_path)
+    _TOKENIZER = Tokenizer.from_str(fileio.read_text(tokenizer_path))
 
 
-def _write_part(path: Path, texts: list[str], unit: Unit, first_doc: int, opts: Options) -> tuple[int, int]:
+def _write_part(path: str, texts: list[str], unit: Unit, first_doc: int, opts: Options) -> tuple[int, int]:
     texts = [t for t in texts if t]
     if not texts:
         return 0, 0
@@ -227,12 +237,11 @@ def _write_part(path: Path, texts: list[str], unit: Unit, first_doc: int, opts: 
 def _run_unit(args: tuple[Unit, Options]) -> dict[str, int]:
     unit, opts = args
     stats = {"docs": 0, "tokens": 0, "tokenized": 0, "written": 0, "skipped": 0}
-    out = Path(opts.output)
     part, first_doc = 0, 0
     texts: list[str] = []
 
     def flush() -> None:
-        path = out / f"{unit.name}-{part:05d}{SHARD_SUFFIX}"
+        path = fileio.join(opts.output, f"{unit.name}-{part:05d}{SHARD_SUFFIX}")
         if _finished(path, unit, first_doc):
             m = read_manifest(path)
             stats["docs"] += m["num_docs"]
@@ -258,8 +267,8 @@ def _run_unit(args: tuple[Unit, Options]) -> dict[str, int]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="olmo-data tokenize", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="files, globs, directories, or one hub dataset name")
-    p.add_argument("--tokenizer", required=True, help="a tokenizers tokenizer.json")
-    p.add_argument("--output", required=True, help="directory for the .shard files")
+    p.add_argument("--tokenizer", required=True, help="a tokenizers tokenizer.json (path or gs:// / s3:// URL)")
+    p.add_argument("--output", required=True, help="folder for the .shard files (path or gs:// / s3:// URL)")
     p.add_argument("--text-field", default="text", help="jsonl key / parquet column / hub column of the text")
     p.add_argument("--num-proc", type=int, default=1, help="worker processes (units run in parallel)")
     p.add_argument("--shard-index", type=int, default=0, help="this job's index in [0, --num-shards)")
@@ -285,9 +294,9 @@ def tokenize_main(argv: list[str]) -> int:
         raise DataError(f"--shard-index {args.shard_index} is outside [0, --num-shards {args.num_shards})")
     if args.docs_per_shard <= 0 or args.num_proc <= 0:
         raise DataError("--docs-per-shard and --num-proc must be positive")
-    if not os.path.isfile(args.tokenizer):
+    if not fileio.isfile(args.tokenizer):
         raise DataError(f"--tokenizer {args.tokenizer}: file not found; pass a tokenizer.json")
-    tokenizer = Tokenizer.from_file(args.tokenizer)
+    tokenizer = Tokenizer.from_str(fileio.read_text(args.tokenizer))
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     dtype = args.dtype or ("uint16" if vocab <= 1 << 16 else "uint32")
     if dtype == "uint16" and vocab > 1 << 16:
@@ -296,7 +305,8 @@ def tokenize_main(argv: list[str]) -> int:
     if eos is None:
         raise DataError(f"{args.tokenizer}: no <|endoftext|> token; pass --eos-token-id")
     opts = Options(
-        tokenizer=os.path.abspath(args.tokenizer),
+        # absolute: workers may run elsewhere than the current folder (spawn)
+        tokenizer=args.tokenizer if fileio.is_remote(args.tokenizer) else os.path.abspath(args.tokenizer),
         output=args.output,
         text_field=args.text_field,
         docs_per_shard=args.docs_per_shard,
@@ -305,7 +315,7 @@ def tokenize_main(argv: list[str]) -> int:
         chunk_tokens=args.chunk_tokens,
         hub_split=args.split,
     )
-    os.makedirs(args.output, exist_ok=True)
+    fileio.makedirs(args.output)
     units = plan_units(args.input, args.docs_per_shard, args.txt_per_line, args.split)[
         args.shard_index :: args.num_shards
     ]

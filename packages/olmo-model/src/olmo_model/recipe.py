@@ -324,7 +324,12 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
                 _set_dotted({}, key, None, source)  # raises the unknown-key error with a hint
         tree = loaded
         mixture = (tree.get("data") or {}).get("mixture")
-        if isinstance(mixture, str) and mixture != "sample" and not Path(mixture).is_absolute():
+        if (
+            isinstance(mixture, str)
+            and mixture != "sample"
+            and "://" not in mixture
+            and not Path(mixture).is_absolute()
+        ):
             # a mixture named in a recipe file is relative to that file, like paths in a mixture
             tree = {**tree, "data": {**tree["data"], "mixture": str((p.parent / mixture).resolve())}}
     over: dict[str, Any] = {}
