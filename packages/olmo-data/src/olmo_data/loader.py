@@ -1,4 +1,4 @@
-"""`MixtureLoader`: this data-parallel rank's slice of each global batch, prefetched by Grain.
+"""`MixtureLoader`: this process's data-parallel rank(s)' slice of each global batch, prefetched by Grain.
 
 A batch is a pure function of the step (`batch_at(step)`); iterating runs a Grain
 `MapDataset` over step numbers from the current step, mapped through `batch_at`, with
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any
 
 import grain
@@ -31,6 +31,8 @@ _STEP_HORIZON = 1 << 40
 class MixtureLoader:
     """Global batches of `global_batch_size` instances; yields rank `dp_rank`'s rows
     [r*B/R, (r+1)*B/R) as numpy int32 arrays input_ids, labels, doc_ids, positions [B/R, S].
+    `dp_rank` may be several ranks (a process whose devices hold several data-parallel shards):
+    their rows, one rank after the other in the order given.
 
     `prefetch` is the number of Grain reader threads (0: read in the calling thread);
     each thread builds one batch at a time, so up to `prefetch` batches are in flight.
@@ -40,7 +42,7 @@ class MixtureLoader:
         self,
         mixture: Mixture | str | os.PathLike,
         global_batch_size: int,
-        dp_rank: int = 0,
+        dp_rank: int | Sequence[int] = 0,
         dp_size: int = 1,
         start_step: int = 0,
         prefetch: int = 2,  # threads: enough to hide shard decompression behind a training step
@@ -51,25 +53,28 @@ class MixtureLoader:
                 f"global_batch_size {global_batch_size} must be a positive multiple of dp_size {dp_size}; "
                 "change one of them"
             )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_size={dp_size}); pass the rank of this process")
+        ranks = (dp_rank,) if isinstance(dp_rank, int) else tuple(dp_rank)
+        if not ranks or any(not 0 <= r < dp_size for r in ranks):
+            raise ValueError(
+                f"dp_rank {dp_rank} is outside [0, dp_size={dp_size}); pass the rank(s) this process reads"
+            )
         if start_step < 0 or prefetch < 0:
             raise ValueError(f"start_step ({start_step}) and prefetch ({prefetch}) must be >= 0")
         self.global_batch_size = global_batch_size
-        self.dp_rank = dp_rank
+        self.dp_ranks = ranks
         self.dp_size = dp_size
         self.step = start_step  # the next global batch to yield = global batches consumed so far
         self.prefetch = prefetch
         self.order = self.mixture.order  # built here, not lazily inside Grain's reader threads
         log.info(
-            "MixtureLoader %s: fingerprint %s seed %d, sequence %d, global batch %d, rank %d/%d, step %d, "
+            "MixtureLoader %s: fingerprint %s seed %d, sequence %d, global batch %d, rank(s) %s/%d, step %d, "
             "sources %s, slots per mixture epoch %s",
             self.mixture.path,
             self.mixture.fingerprint()[:16],
             self.mixture.seed,
             self.mixture.sequence_length,
             global_batch_size,
-            dp_rank,
+            list(ranks),
             dp_size,
             start_step,
             self.mixture.source_names,
@@ -80,9 +85,19 @@ class MixtureLoader:
     def tokens_per_global_batch(self) -> int:
         return self.global_batch_size * self.mixture.sequence_length
 
+    @property
+    def dp_rank(self) -> int:
+        """The rank of a loader that reads one (the usual case: one rank per process)."""
+        if len(self.dp_ranks) != 1:
+            raise ValueError(f"this loader reads ranks {list(self.dp_ranks)}; use dp_ranks")
+        return self.dp_ranks[0]
+
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        """This rank's rows of global batch `step` (pure: no loader state involved)."""
-        return self.order.rank_slice(step, self.global_batch_size, self.dp_rank, self.dp_size)
+        """This loader's rows of global batch `step` (pure: no loader state involved)."""
+        parts = [self.order.rank_slice(step, self.global_batch_size, r, self.dp_size) for r in self.dp_ranks]
+        if len(parts) == 1:
+            return parts[0]
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
     # A Generator, not just an Iterator: the driver closes it to stop the prefetch threads.
     def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:

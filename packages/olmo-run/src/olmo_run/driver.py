@@ -8,6 +8,9 @@ The driver owns the rest:
   check -> batch layout -> loader -> the checkpoint to resume (checked against spec,
   framework, mixture fingerprint and loader state) or else the ``recipe.init`` source. It
   writes nothing, so bad input leaves the run dir untouched.
+- ``check_shared_run_dir``: in a multi-process run, that every process sees the run dir process
+  0 writes (a marker with a random token); else a one-line refusal, not a hang at the first
+  checkpoint. The trainer passes its own all-gather, so this package stays framework-free.
 - ``run``: the run dir, the loop (LR from the recipe's schedule, step timing, the log /
   checkpoint / eval cadence, the console, the train line of ``runlog.TRAIN_KEYS``), the
   spike guard's state, the finite-state check before every checkpoint, and the end of the
@@ -20,8 +23,10 @@ them) is finished by a rerun: state restored, no step trained again, eval and pl
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,7 +36,7 @@ import numpy as np
 from olmo_data import Mixture, MixtureLoader, open_training_mixture
 from olmo_model import ModelSpec, flops_per_token, mfu
 from olmo_model.init_source import InitSource, resolve_init
-from olmo_model.recipe import BatchLayout, Recipe, batch_layout
+from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
 from olmo_model.runlog import (
     TRAIN_KEYS,
     MetricsLog,
@@ -44,7 +49,14 @@ from olmo_model.runlog import (
     print_summary,
     refuse_non_finite_state,
     training_meta,
+    write_atomic,
 )
+
+# Process 0's marker in the run dir while the processes check that they share it.
+SHARED_CHECK_FILE = ".shared-run-dir-check"
+# How long a process looks for the marker: a file another host just created can take a moment
+# to appear on a network file system (its directory attributes are cached).
+SHARED_CHECK_WAIT_S = 5.0
 
 
 @dataclass
@@ -88,14 +100,15 @@ def plan_run(
     framework: str,
     *,
     dp_size: int,
-    loader_rank: int = 0,
+    loader_rank: int | Sequence[int] = 0,
     loader_size: int = 1,
     check_spec: Callable[[ModelSpec], None] | None = None,
 ) -> RunPlan:
     """Check everything checkable without writing; raises RecipeError, SpecError, DataError,
     LeakageError or TrainingStateError with a one-line message. ``dp_size`` is the number of
     data-parallel shards of a batch (the layout); ``loader_rank`` / ``loader_size`` the loader
-    slice this process reads; ``check_spec`` the trainer's own checks of its layout."""
+    slice(s) this process reads (several ranks: their rows in that order); ``check_spec`` the
+    trainer's own checks of its layout."""
     spec = recipe.model_spec()
     mixture = open_training_mixture(
         recipe.data.mixture,
@@ -164,6 +177,64 @@ class TrainModule(Protocol):
     def close(self) -> None:
         """Finish (commit) any save in flight and release the trainer's resources."""
         ...
+
+
+def check_shared_run_dir(
+    run_dir: Path, process_index: int, process_count: int, all_gather: Callable[[str], list[str]]
+) -> None:
+    """Refuse (RecipeError, one line, on every process) a run dir that some process does not see
+    as process 0 does: each host's own local disk, where the first multi-process checkpoint would
+    never commit. Process 0 writes a random token into the run dir, every process must read that
+    token back, then the marker goes (and the folders this check created), so the check leaves
+    nothing behind. ``all_gather(text)`` returns every process's text in process order, on
+    every process (the trainer's collective). One process has nothing to check."""
+    if process_count == 1:
+        return
+    marker = run_dir / SHARED_CHECK_FILE
+    created: list[Path] = []  # innermost first
+    token, failure = "", ""
+    if process_index == 0:
+        try:
+            created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            token = secrets.token_hex(16)
+            write_atomic(marker, token)
+        except OSError as err:
+            token, failure = "", f"{type(err).__name__}: {err.strerror or err}"
+    token = all_gather(token)[0]
+    seen = False
+    if token:
+        deadline = time.monotonic() + SHARED_CHECK_WAIT_S
+        while not (seen := _reads(marker, token)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    views = all_gather("seen" if seen else "")
+    if process_index == 0:  # every process has looked: the marker can go
+        marker.unlink(missing_ok=True)
+        for folder in created:
+            if folder.exists():  # a failed mkdir created only the outer ones
+                folder.rmdir()
+    if not token:  # every process leaves together, or the others would wait on process 0
+        raise RecipeError(
+            f"run_dir={run_dir}: process 0 cannot write there{f' ({failure})' if failure else ''}; "
+            "choose a run dir it can create and write"
+        )
+    blind = [i for i, v in enumerate(views) if not v]
+    if blind:
+        raise RecipeError(
+            f"run_dir={run_dir}: process(es) {blind} of {process_count} do not see the files process 0 writes there "
+            "(each host's own disk?); put the run dir on a shared file system every host mounts at the same path, "
+            "or use a remote URL (gs://, s3://)"
+        )
+
+
+def _reads(marker: Path, token: str) -> bool:
+    """Whether ``marker`` holds ``token``; listing its folder first makes a network file system
+    revalidate the folder instead of answering from its cache."""
+    try:
+        os.listdir(marker.parent)
+        return marker.read_text() == token
+    except OSError:
+        return False
 
 
 def announce_finished(plan: RunPlan, is_main: bool) -> bool:
@@ -308,7 +379,7 @@ def run(
     for line in describe:
         console.line(line)
     console.line(f"batch layout: {plan.layout.describe()} (sequence length {plan.sequence_length})")
-    prepare_run_dir(plan.recipe, plan.spec, is_main)
+    prepare_run_dir(plan.recipe, plan.spec, is_main, resumed_at=plan.resume[0] if plan.resume else None)
     module = build_module()
     the_run = Run(plan, module, console, is_main)
     the_run.loop()

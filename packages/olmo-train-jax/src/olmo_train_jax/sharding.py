@@ -19,20 +19,31 @@ A batch is split over (data, fsdp, expert) on its batch axis, so the data-parall
 data x fsdp x expert. XLA inserts the all-gathers and reduce-scatters the placements imply;
 the model code holds no parallelism (docs/design.md contract 6).
 
-Multi-host: with ``recipe.jax.distributed`` the trainer calls ``jax.distributed.initialize()``
-first (on a TPU pod slice or under SLURM/Open MPI it finds the coordinator itself; elsewhere
-set JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID). Every process then loads
-only its rows of the global batch (loader rank = process index) and
-``jax.make_array_from_process_local_data`` assembles the global array from them.
+Multi-process (``distributed_settings``): with ``jax.distributed`` or any of
+``jax.coordinator_address`` / ``jax.num_processes`` / ``jax.process_id`` (or their environment
+variables JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) the trainer joins the job
+with ``jax.distributed.initialize()`` before anything else; what none of them gives, JAX detects
+(a TPU VM's metadata, Slurm, Open MPI). Under Slurm a task that has its node's GPUs to itself
+(``--ntasks-per-node=1``) uses all of them, and with one task per GPU each uses its own.
+
+Rows are read per data-parallel shard, not per process (``process_batch_shards``): a process
+reads the rows of every shard one of its devices holds, so a model-parallel group (tensor, or
+a device order that interleaves hosts, as a TPU torus does) that spans processes reads the same
+rows on each, and ``global_batch_array`` places them: the global batch is the same array,
+row for row, whatever the process layout.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -46,10 +57,114 @@ from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec
 MESH_AXES = ("data", "fsdp", EXPERT_AXIS, "tensor")
 
 
+# The explicit launch's environment variables (this JAX reads only the first one itself).
+COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
+# What JAX's Slurm detection requires (jax._src.clusters.slurm_cluster).
+_SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def distributed_settings(recipe: Recipe, environ: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+    """``jax.distributed.initialize`` keyword arguments for this process, or None when the run is
+    one process: the recipe's keys first, then their environment variables; what is still None,
+    JAX detects. A malformed value is a one-line RecipeError."""
+    j = recipe.jax
+
+    def from_env(name: str, key: str) -> int | None:
+        raw = environ.get(name, "")
+        if not raw:
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise RecipeError(f"${name}={raw!r} is not an integer; unset it or set jax.{key}") from None
+
+    address = j.coordinator_address or environ.get(COORDINATOR_ENV) or None
+    count = j.num_processes if j.num_processes is not None else from_env(NUM_PROCESSES_ENV, "num_processes")
+    index = j.process_id if j.process_id is not None else from_env(PROCESS_ID_ENV, "process_id")
+    if not j.distributed and address is None and count is None and index is None:
+        return None
+    if count is not None and index is not None and not 0 <= index < count:
+        raise RecipeError(
+            f"jax.process_id={index} is outside the {count} processes of jax.num_processes; "
+            f"give each process an index in 0..{count - 1}"
+        )
+    return {
+        "coordinator_address": address,
+        "num_processes": count,
+        "process_id": index,
+        "heartbeat_timeout_seconds": j.heartbeat_timeout_seconds,
+    }
+
+
+def slurm_task_owns_its_gpus(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this Slurm task should use every GPU it sees. JAX's Slurm detection restricts each
+    task to GPU number SLURM_LOCALID (one task per GPU); that is wrong for one task per node
+    (it would use one of the node's GPUs) and for a task Slurm bound one GPU to (its only GPU is
+    number 0). An explicit JAX_LOCAL_DEVICE_IDS is left to JAX."""
+    if not all(v in environ for v in _SLURM_VARS) or environ.get("JAX_LOCAL_DEVICE_IDS"):
+        return False
+    nodes = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES")
+    one_task_per_node = nodes is not None and int(nodes) == int(environ["SLURM_NTASKS"])
+    bound = [g for g in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    return one_task_per_node or len(bound) == 1
+
+
 def initialize_distributed(recipe: Recipe) -> None:
-    """Join the multi-host job when the recipe asks for it (idempotent for one process)."""
-    if recipe.jax.distributed and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+    """Join the multi-process job when the recipe or the environment asks for it (see
+    ``distributed_settings``); a job that cannot be joined is a one-line RecipeError."""
+    settings = distributed_settings(recipe)
+    if settings is None or jax.distributed.is_initialized():
+        return
+    try:
+        jax.distributed.initialize(**settings)
+    except (ValueError, jax.errors.JaxRuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(
+            f"jax.distributed: cannot join the job ({first}); outside a TPU VM or Slurm set jax.coordinator_address, "
+            f"jax.num_processes and jax.process_id (or ${COORDINATOR_ENV}, ${NUM_PROCESSES_ENV}, ${PROCESS_ID_ENV}) "
+            "the same on every process but the index"
+        ) from None
+    if slurm_task_owns_its_gpus():
+        # initialize() only set the flag; no backend exists yet, so this takes effect.
+        jax.config.update("jax_cuda_visible_devices", "all")
+        jax.config.update("jax_rocm_visible_devices", "all")
+
+
+# all_gather_text's fixed width: a token or a flag, never more.
+_TEXT_BYTES = 64
+
+
+def all_gather_text(text: str) -> list[str]:
+    """Every process's ``text`` (ASCII, at most 64 bytes), in process order, on every process:
+    the collective ``olmo_run.driver.check_shared_run_dir`` takes."""
+    raw = np.frombuffer(text.encode("ascii"), np.uint8)
+    if raw.size > _TEXT_BYTES:
+        raise ValueError(f"all_gather_text takes at most {_TEXT_BYTES} bytes, got {raw.size}")
+    padded = np.zeros(_TEXT_BYTES, np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [bytes(row).rstrip(b"\0").decode("ascii") for row in rows]
+
+
+@contextmanager
+def stop_together() -> Iterator[None]:
+    """A start-up block that may fail on some processes only (a file one host cannot read): a
+    process that raises tells the others, which then stop too, with a one-line RecipeError,
+    instead of waiting for it in their first collective. Nothing to tell with one process."""
+    if jax.process_count() == 1:
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        all_gather_text("stopped")
+        raise
+    stopped = [i for i, v in enumerate(all_gather_text("")) if v]
+    if stopped:
+        raise RecipeError(
+            f"process(es) {stopped} of {jax.process_count()} stopped at start-up (their error is in their log); "
+            "nothing was written"
+        )
 
 
 def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
@@ -121,6 +236,30 @@ def describe_mesh(mesh: Mesh) -> str:
     kind = mesh.devices.flat[0].device_kind
     axes = " x ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     return f"mesh {axes} over {mesh.size} {kind} device(s) in {jax.process_count()} process(es)"
+
+
+def process_batch_shards(mesh: Mesh) -> tuple[int, ...]:
+    """The data-parallel shards (0 .. dp-1, in the order the batch axis is split) that this
+    process's devices hold, ascending: the loader ranks it reads. Taken from the sharding's own
+    index map, so it holds for any device order (a TPU torus interleaves hosts)."""
+    dp = dp_size(mesh)
+    index_map = NamedSharding(mesh, P(batch_axes(mesh))).addressable_devices_indices_map((dp,))
+    return tuple(sorted({_first_row(index, 0) for index in index_map.values()}))
+
+
+def _first_row(index: tuple[slice, ...] | None, axis: int) -> int:
+    """Where a device's piece of an array starts along ``axis`` (an unsplit axis: 0)."""
+    return 0 if index is None else index[axis].start or 0
+
+
+def describe_process(mesh: Mesh) -> str:
+    """This process's start-up line: its index, its devices, the shards it reads, the mesh."""
+    local = ", ".join(str(d.id) for d in jax.local_devices())
+    shards = process_batch_shards(mesh)
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: local devices [{local}], reads data-parallel "
+        f"shard(s) {list(shards)} of {dp_size(mesh)}; {describe_mesh(mesh)}"
+    )
 
 
 # ---- parameter placement -------------------------------------------------------------------
@@ -219,10 +358,9 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 
 
 def to_micro_batches(local: np.ndarray, local_dp: int, accumulation: int) -> np.ndarray:
-    """This process's rows [rows, seq] -> [accumulation, rows / accumulation, seq] such that every
-    micro-step takes an equal share of every device's rows: the rows a device holds are
-    contiguous in the loader's slice, so each micro-batch stays spread over all devices and
-    no row moves between devices."""
+    """``local_dp`` shards' rows [rows, seq] (each shard's rows contiguous) -> [accumulation,
+    rows / accumulation, seq] such that every micro-step takes an equal share of every shard's
+    rows: each micro-batch stays spread over all devices and no row moves between devices."""
     rows, seq = local.shape
     per_device = rows // (local_dp * accumulation)
     x = local.reshape(local_dp, accumulation, per_device, seq)
@@ -230,9 +368,18 @@ def to_micro_batches(local: np.ndarray, local_dp: int, accumulation: int) -> np.
 
 
 def global_batch_array(local: np.ndarray, mesh: Mesh, accumulation: int, global_rows: int) -> jax.Array:
-    """Assemble the global [accumulation, global_rows / accumulation, seq] array from this
-    process's contiguous rows of the global batch."""
-    local_dp = dp_size(mesh) // jax.process_count()
-    micro = to_micro_batches(local, local_dp, accumulation)
+    """The global [accumulation, global_rows / accumulation, seq] array from this process's rows:
+    those of the shards ``process_batch_shards`` names, in that order (the loader's rows for
+    those ranks). Each device gets its shard's rows whichever process it is on, so devices of
+    one shard on several processes get the same rows."""
+    shards = process_batch_shards(mesh)
+    micro = to_micro_batches(local, len(shards), accumulation)
+    per_device = micro.shape[1] // len(shards)
+    column = {d: i * per_device for i, d in enumerate(shards)}
+
+    def rows_of(index: tuple[slice, ...] | None) -> np.ndarray:
+        first = column[_first_row(index, 1) // per_device]
+        return micro[:, first : first + per_device]
+
     shape = (accumulation, global_rows // accumulation, local.shape[1])
-    return jax.make_array_from_process_local_data(batch_sharding(mesh), micro, shape)
+    return jax.make_array_from_callback(shape, batch_sharding(mesh), rows_of)

@@ -59,12 +59,13 @@ from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import Recipe
 from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
+from olmo_run.driver import check_shared_run_dir
 
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
 from .head_loss import head_loss_sums
-from .hf_adapter import model_from_hf, validate_hf
+from .hf_adapter import initial_params, model_from_hf, validate_hf
 from .model import OlmoModel, build_model
 from .moe import MoEStats, aux_loss, moe_metrics
 
@@ -124,12 +125,15 @@ class StepFunctions:
     """Jitted pieces of a step; ``fused`` = ``apply(grads(...))`` in one program.
 
     ``grads(params, batch, step=0)`` and ``fused(params, opt_state, batch, lr, step=0)``
-    take the 1-based step, which seeds random MoE routing (unused otherwise)."""
+    take the 1-based step, which seeds random MoE routing (unused otherwise). ``fused_jit`` is
+    the jitted program behind ``fused`` (step as an int32 argument), for ahead-of-time
+    ``.lower(...).compile()`` on abstract arrays (``dry_run``)."""
 
     grads: Any
     apply: Any
     fused: Any
     evaluate: Any
+    fused_jit: Any
 
 
 def make_step_functions(
@@ -267,6 +271,7 @@ def make_step_functions(
         ),
         fused=lambda params, opt_state, batch, lr, step=0: fused_jit(params, opt_state, batch, lr, np.int32(step)),
         evaluate=jax.jit(evaluate, out_shardings=(replicated, replicated)),
+        fused_jit=fused_jit,
     )
 
 
@@ -292,11 +297,15 @@ class MeshModel:
 
 
 def for_mesh(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh: jax.sharding.Mesh) -> MeshModel:
-    """What the trainer and ``placed_step`` both do to a freshly built model before its step:
-    tell it how many devices share the batch (XLA:CPU attention loops over each device's own
-    rows), route MoE experts per device (an all-to-all over the expert axis), split it, and
-    derive the optimizer and the parameter / AdamW-state shardings."""
+    """What the trainer, ``placed_step`` and ``dry_run`` do to a freshly built model before its
+    step: tell it how many devices share the batch (XLA:CPU attention loops over each device's
+    own rows), the platform of the mesh's devices (the kernels are chosen for it, not for the
+    host) and where its residual stream lives (batch split over the data-parallel axes), route
+    MoE experts per device (an all-to-all over the expert axis), split it, and derive the
+    optimizer and the parameter / AdamW-state shardings."""
     model.batch_shards = sharding.dp_size(mesh)
+    model.platform = mesh.devices.flat[0].platform
+    model.hidden_sharding = NamedSharding(mesh, P(sharding.batch_axes(mesh), None, None))
     if spec.moe is not None:
         apply_expert_parallel(model, mesh, mxfp8=recipe.moe.mxfp8)
     graphdef, state = nnx.split(model)
@@ -324,8 +333,9 @@ def placed_step(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh_axes: di
 
 
 def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
-    """Best fp32 FLOP/s of a size x size matmul on one CPU device, in JAX: the honest CPU peak."""
-    dev = jax.devices("cpu")[0]
+    """Best fp32 FLOP/s of a size x size matmul on one CPU device of this process, in JAX: the
+    honest CPU peak."""
+    dev = jax.local_devices(backend="cpu")[0]
     a = jax.device_put(jnp.ones((size, size), jnp.float32), dev)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -339,7 +349,7 @@ def measure_cpu_matmul_peak(size: int = 2048, repeats: int = 3) -> float:
 
 def device_peak() -> tuple[float, str]:
     """(peak FLOP/s per device, label) for MFU: bf16 table peak on accelerators, measured on CPU."""
-    dev = jax.devices()[0]
+    dev = jax.local_devices()[0]
     if dev.platform == "cpu":
         peak = measure_cpu_matmul_peak()
         return peak, f"measured cpu fp32 matmul {peak / 1e9:.1f} GFLOP/s"
@@ -351,33 +361,39 @@ def device_peak() -> tuple[float, str]:
 
 
 def train(recipe: Recipe) -> Path:
-    """Run (or resume) the recipe's training job; returns the run dir."""
+    """Run (or resume) the recipe's training job on this process; returns the run dir. Every
+    process checks the same inputs and reads the run dir before any process writes it, so bad
+    input (a layout that cannot work included) stops every process with the same line."""
     sharding.initialize_distributed(recipe)
     is_main = jax.process_index() == 0
     if is_main:
         print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
     mesh = sharding.make_mesh(recipe.jax.mesh)
-    plan = plan_run(
-        recipe,
-        FRAMEWORK,
-        dp_size=sharding.dp_size(mesh),
-        loader_rank=jax.process_index(),
-        loader_size=jax.process_count(),
-        check_spec=partial(sharding.check_mesh_for_spec, mesh),
-    )
-    init_tensors = None
-    if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
-        from safetensors.numpy import load_file
+    print(sharding.describe_process(mesh), flush=True)
+    # Before the run dir is read: processes that see different run dirs would plan different runs.
+    check_shared_run_dir(recipe.resolved_run_dir(), jax.process_index(), jax.process_count(), sharding.all_gather_text)
+    with sharding.stop_together():
+        plan = plan_run(
+            recipe,
+            FRAMEWORK,
+            dp_size=sharding.dp_size(mesh),
+            loader_rank=sharding.process_batch_shards(mesh),
+            loader_size=sharding.dp_size(mesh),
+            check_spec=partial(sharding.check_mesh_for_spec, mesh),
+        )
+        init_tensors = None
+        if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
+            from safetensors.numpy import load_file
 
-        init_tensors = {k: v for f in plan.init.safetensors_files() for k, v in load_file(f).items()}
-        validate_hf(plan.spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
+            init_tensors = {k: v for f in plan.init.safetensors_files() for k, v in load_file(f).items()}
+            validate_hf(plan.spec, init_tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
     if announce_finished(plan, is_main):
         return plan.run_dir
     return run(
         plan,
         partial(JaxTrainModule, plan, mesh, init_tensors),
         is_main=is_main,
-        describe=[sharding.describe_mesh(mesh)],
+        describe=[],  # the process line above holds the mesh
         title=f"olmo-train-jax: {plan.run_dir}",
     )
 
@@ -419,7 +435,7 @@ class JaxTrainModule:
             if saved_step != step:
                 raise TrainingStateError(f"{ckpt}: state holds step {saved_step} but meta.json says {step}; damaged")
         else:
-            self.params, self.opt_state = _initial_state(plan, init_tensors, make_model, abstract_params, abstract_opt)
+            self.params, self.opt_state = _initial_state(plan, init_tensors, abstract_params, abstract_opt)
             if self.opt_state is None:
                 self.opt_state = jax.jit(prepared.tx.init, out_shardings=prepared.opt_sh)(self.params)
         self.fns = make_step_functions(
@@ -486,14 +502,15 @@ class JaxTrainModule:
 
 
 def _initial_state(
-    plan: RunPlan, init_tensors: dict[str, np.ndarray] | None, make_model, abstract_params: Any, abstract_opt: Any
+    plan: RunPlan, init_tensors: dict[str, np.ndarray] | None, abstract_params: Any, abstract_opt: Any
 ) -> tuple[Any, Any | None]:
-    """(params, AdamW state or None) to start from: fresh weights from recipe.train.seed, or
-    init.checkpoint's weights (and moments when init.load_optimizer), on the current mesh."""
+    """(params, AdamW state or None) to start from: fresh weights from recipe.train.seed
+    (``olmo_model.init``, the torch trainer's), or init.checkpoint's weights (and moments when
+    init.load_optimizer), on the current mesh."""
     init = plan.init
     params_sh = jax.tree.map(lambda a: a.sharding, abstract_params)
     if init is None:
-        return jax.jit(lambda: nnx.to_pure_dict(nnx.split(make_model())[1]), out_shardings=params_sh)(), None
+        return initial_params(plan.spec, plan.recipe.train.seed, abstract_params), None
     if init_tensors is not None:
         pure = nnx.to_pure_dict(nnx.split(model_from_hf(plan.spec, init_tensors))[1])
         return jax.tree.map(jax.device_put, pure, params_sh), None
