@@ -22,11 +22,13 @@ import hashlib
 import json
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from olmo_data.errors import DataError
 from olmo_data.leakage import LeakageError, assert_no_leakage, check_leakage
@@ -201,14 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # tokenize and sample belong to their own modules, which parse their own arguments.
-    if argv and argv[0] == "tokenize":
-        from olmo_data.tokenize import tokenize_main
-
-        return tokenize_main(argv[1:])
-    if argv and argv[0] == "sample":
-        from olmo_data.sample import sample_main
-
-        return sample_main(argv[1:])
+    if argv and argv[0] in ("tokenize", "sample"):
+        if argv[0] == "tokenize":
+            from olmo_data.tokenize import tokenize_main as entry
+        else:
+            from olmo_data.sample import sample_main as entry
+        return _one_line_errors(lambda: entry(argv[1:]))
     parser = argparse.ArgumentParser(prog="olmo-data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="per-source tokens, docs, target vs realised ratio, epochs, fingerprint")
@@ -232,10 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:  # rich assumes 80 columns when piped; the tables need more
         console = Console(width=160)
+    command = {"inspect": _inspect, "batches": _batches, "check-leakage": _check_leakage}[args.command]
+    return _one_line_errors(lambda: command(args, console))
+
+
+def _one_line_errors(run: Callable[[], int]) -> int:
+    """Run a command; bad input (a DataError names the file, the field and the fix) or an
+    unreadable file prints one line instead of a traceback, and exits 2."""
     try:
-        return {"inspect": _inspect, "batches": _batches, "check-leakage": _check_leakage}[args.command](args, console)
-    except (DataError, ValueError) as e:
-        Console(stderr=True).print(f"[bold red]error[/] {e}", soft_wrap=True)
+        return run()
+    except (DataError, ValueError, OSError) as e:
+        # Text, not markup: messages hold brackets such as olmo-data[tokenize]
+        Console(stderr=True).print(Text.assemble(("error", "bold red"), f" {e}"), soft_wrap=True)
         return 2
 
 

@@ -101,6 +101,9 @@ class MixtureLoader:
 
     # A Generator, not just an Iterator: the driver closes it to stop the prefetch threads.
     def __iter__(self) -> Generator[dict[str, np.ndarray], None, None]:
+        from olmo_data.workers import refuse_dataloader_replay  # imports no torch
+
+        refuse_dataloader_replay(str(self.mixture.path))
         steps = grain.MapDataset.range(self.step, self.step + _STEP_HORIZON).map(self.batch_at)
         # Buffer 2 batches per thread: each thread has one ready while building the next.
         options = grain.ReadOptions(num_threads=self.prefetch, prefetch_buffer_size=max(1, 2 * self.prefetch))

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from olmo_data import fileio
 from olmo_data.errors import DataError
 from olmo_data.order import GlobalOrder, derive_key, largest_remainder
-from olmo_data.storage import TokenSource, content_sha256, open_source, resolve_paths
+from olmo_data.storage import TokenSource, Windowing, content_sha256, num_windows, open_source, resolve_paths
 
 SAMPLE = "sample"  # the mixture path that names the embedded sample (olmo_data.sample)
 
@@ -44,11 +44,19 @@ class SourceConfig(_Strict):
     ratio: Annotated[float, Field(ge=0)] | None = None  # share of training tokens (normalised)
     tokens: Annotated[int, Field(gt=0)] | None = None  # or: tokens per mixture epoch
     max_repetition: Annotated[float, Field(gt=0)] | None = None  # epochs of this source a run may read; None = no cap
+    # concat: files sorted by path, one token stream, windows may cross file ends; olmo-core:
+    # files in the order listed, each cut on its own, as OLMo-core's NumpyFSLDataset (numpy only)
+    windowing: Windowing = "concat"
 
     @model_validator(mode="after")
     def _one_target(self) -> SourceConfig:
         if (self.ratio is None) == (self.tokens is None):
             raise ValueError(f"source {self.name!r}: give exactly one of ratio or tokens")
+        if self.windowing == "olmo-core" and self.format != "numpy":
+            raise ValueError(
+                f"source {self.name!r}: windowing olmo-core reproduces OLMo-core over raw token files; "
+                "set format: numpy (or drop windowing)"
+            )
         return self
 
 
@@ -96,6 +104,11 @@ class MixtureConfig(_Strict):
         return self
 
 
+def _windowing(src: SourceConfig | HeldOutConfig) -> Windowing:
+    """Held-out sources are windowed as ours: their eval set never depends on OLMo-core's layout."""
+    return src.windowing if isinstance(src, SourceConfig) else "concat"
+
+
 def _validation_message(path: Path | str, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
@@ -107,7 +120,7 @@ def _validation_message(path: Path | str, err: ValidationError) -> str:
         elif e["type"] == "missing":
             parts.append(f"{loc}: required field is missing; add it")
         else:
-            parts.append(f"{loc}: {e['msg']}")
+            parts.append(f"{loc}: {e['msg'].removeprefix('Value error, ')}")
     return f"{path}: " + "; ".join(parts)
 
 
@@ -136,14 +149,21 @@ class Mixture:
 
     def _resolve(self, src: SourceConfig | HeldOutConfig, field: str) -> list[str]:
         try:
-            return resolve_paths([fileio.join(self.root, p) for p in src.paths], src.format)
+            return resolve_paths(
+                [fileio.join(self.root, p) for p in src.paths], src.format, _windowing(src) == "olmo-core"
+            )
         except DataError as e:
             # The same class: a caller can still tell a missing bucket from a missing file.
             raise type(e)(f"{self.path}: {field}.paths ({src.name}): {e}") from None
 
     def _open(self, src: SourceConfig | HeldOutConfig, files: list[str]) -> TokenSource:
         return open_source(
-            files, src.format, dtype=src.dtype, eos_token_id=self.config.eos_token_id, vocab_size=self.config.vocab_size
+            files,
+            src.format,
+            dtype=src.dtype,
+            eos_token_id=self.config.eos_token_id,
+            vocab_size=self.config.vocab_size,
+            windowing=_windowing(src),
         )
 
     def _check(self) -> None:
@@ -168,6 +188,11 @@ class Mixture:
                     f"{self.path}: sequence_length {seq} is longer than {group} {name!r} ({src.path}: "
                     f"{src.num_tokens} tokens); lower sequence_length or add data"
                 )
+            if num_windows(src, seq) == 0:
+                raise DataError(
+                    f"{self.path}: sequence_length {seq} is longer than every file of {group} {name!r} "
+                    f"({src.path}), and windowing olmo-core cuts each file on its own; lower sequence_length or add data"
+                )
         for name, src in self.held_out_sources.items():
             if src.num_tokens // seq < self.config.eval.sequences_per_source:
                 raise DataError(
@@ -189,7 +214,7 @@ class Mixture:
 
     def num_instances(self) -> list[int]:
         """Windows of sequence_length tokens in each training source."""
-        return [src.num_tokens // self.sequence_length for src in self.training_sources]
+        return [num_windows(src, self.sequence_length) for src in self.training_sources]
 
     def slots_per_epoch(self) -> list[int]:
         """Each training source's slots in one mixture epoch (see olmo_data.order)."""
@@ -242,6 +267,11 @@ class Mixture:
     @cached_property
     def _fingerprint(self) -> str:
         config = self.config.model_dump(mode="json", exclude={"name", "seed", "tokenizer"})
+        for source in config["sources"]:
+            # windowing came after mixtures were in use: its default is left out, so every
+            # mixture written before it keeps its fingerprint, hence its data order
+            if source["windowing"] == "concat":
+                del source["windowing"]
         identity = {
             "config": config,
             "sources": [self.source_identity(s) for s in self.training_sources],

@@ -2,7 +2,9 @@
 global batch at step b, as pure functions of (mixture fingerprint, seed, index).
 
 Instances. Source s with N_s tokens is cut into I_s = N_s // S fixed windows of
-S = sequence_length tokens, window k = tokens [k*S, (k+1)*S); the tail is dropped.
+S = sequence_length tokens, window k = tokens [k*S, (k+1)*S); the tail is dropped. (A
+source with `windowing: olmo-core` cuts each of its files on its own, as OLMo-core does:
+`olmo_data.storage.PerFileWindows`; I_s is then the sum over its files.)
 Documents may span windows; per window, `doc_ids` number the documents from 0 and
 `positions` count from 0 at each document start (and at the window start), which is the
 packed-sequence convention (a position reset marks a document boundary).
@@ -36,7 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from olmo_data.errors import DataError
-from olmo_data.storage import TokenSource, locate
+from olmo_data.storage import PerFileWindows, TokenSource, locate, num_windows, window_spans
 
 BATCH_KEYS = ("input_ids", "labels", "doc_ids", "positions")
 IGNORE_INDEX = -100  # label of the last token of a source: nothing follows it (PyTorch's ignore_index)
@@ -144,13 +146,13 @@ def read_instances(
     """input_ids, labels, doc_ids, positions ([n, S] int32) of windows `within` of `source`.
 
     labels[t] = input_ids[t+1]; the last label is the token after the window, or
-    IGNORE_INDEX when the window ends the source. With vocab_size, an id >= vocab_size
-    read here is a DataError (`check_token_ids`).
+    IGNORE_INDEX when the window ends the source (with `windowing: olmo-core`, its file).
+    With vocab_size, an id >= vocab_size read here is a DataError (`check_token_ids`).
     """
     seq = sequence_length
     within = np.asarray(within, dtype=np.int64)
     n = len(within)
-    first = within * seq
+    first, limit = window_spans(source, within, seq)
     # tokens[row] = the window plus the token after it (IGNORE_INDEX at the end of the
     # source, set after the id check: the check reads the array as uint32)
     tokens = np.zeros((n, seq + 1), np.int32)  # the outputs are int32 anyway
@@ -159,7 +161,7 @@ def read_instances(
     # windows that share a chunk then hit the chunk cache one after another.
     for row in np.argsort(within, kind="stable").tolist():
         start = int(first[row])
-        stop = min(start + seq + 1, source.num_tokens)
+        stop = min(start + seq + 1, int(limit[row]))
         tokens[row, : stop - start] = source.read(start, stop)
         if stop - start <= seq:
             cut.append((row, stop - start))
@@ -210,12 +212,13 @@ class GlobalOrder:
         self.sources = list(sources)
         self.names = list(names)
         self.sequence_length = int(sequence_length)
-        self.num_instances = np.array([s.num_tokens // self.sequence_length for s in self.sources], np.int64)
+        self.num_instances = np.array([num_windows(s, self.sequence_length) for s in self.sources], np.int64)
         for name, src, n in zip(self.names, self.sources, self.num_instances):
             if n == 0:
                 raise DataError(
-                    f"{src.path}: source {name!r} has {src.num_tokens} tokens, fewer than sequence_length "
-                    f"{self.sequence_length}; add data or lower sequence_length"
+                    f"{src.path}: source {name!r} holds no window of sequence_length {self.sequence_length} "
+                    f"({src.num_tokens} tokens{', no file that long' if isinstance(src, PerFileWindows) else ''}); "
+                    "add data or lower sequence_length"
                 )
         self.slots = np.asarray(slots_per_epoch, dtype=np.int64)
         if self.slots.sum() <= 0:

@@ -6,8 +6,11 @@ the format. Every path may be local, ``file://``, ``gs://`` or ``s3://`` (`olmo_
   followed by the eos id.
 - `ShardSource` / `ShardWriter` (in `olmo_data.shards`): our zstd shard format.
 - `ConcatSource`: several files as one logical source, in sorted path order.
+- `PerFileWindows`: a ConcatSource windowed as OLMo-core's `NumpyFSLDataset` windows its
+  files: in the order given, each file cut into its own windows (`windowing: olmo-core`).
 - `open_source(...)`: resolves paths, globs and shard directories into one of the above,
   checking missing files, empty globs, dtype and vocab.
+- `num_windows` / `window_spans`: where the windows of sequence_length tokens of any of them lie.
 - `content_sha256(path)`: the sha256 of a file's bytes, cached on disk by its stat or, for
   an object, its (URL, size, generation or ETag) (the fingerprint of raw files, which carry
   no checksums of their own).
@@ -39,7 +42,7 @@ import numpy as np
 
 from olmo_data import fileio
 from olmo_data.errors import DataError
-from olmo_data.shards import SHARD_SUFFIX, ShardSource, ShardWriter, check_dtype
+from olmo_data.shards import _MAGIC, SHARD_SUFFIX, ShardSource, ShardWriter, check_dtype
 
 __all__ = [
     "TokenSource",
@@ -47,7 +50,11 @@ __all__ = [
     "ShardSource",
     "ShardWriter",
     "ConcatSource",
+    "PerFileWindows",
+    "Windowing",
     "open_source",
+    "num_windows",
+    "window_spans",
     "resolve_paths",
     "content_sha256",
     "cache_root",
@@ -70,6 +77,10 @@ _PROBE_MIN_WORDS = 64
 # write within the same file-system timestamp tick would leave its mtime unchanged (git's
 # "racy clean" case); 2 s covers the coarsest timestamps (FAT) and modest clock skew.
 _RACY_NS = 2_000_000_000
+
+# How a source's files are cut into windows: "concat" (ours: files sorted by path, one token
+# stream, a window may cross a file end) or "olmo-core" (NumpyFSLDataset's: PerFileWindows).
+Windowing = Literal["concat", "olmo-core"]
 
 
 class TokenSource(Protocol):
@@ -142,13 +153,23 @@ class RawTokenFile:
         reader = fileio.RangeReader(self.path)
         # Local reads go through the memmap; only a remote file keeps its reader.
         self._reader = reader if self.remote else None
-        # One round of reads (concurrent on object storage): the probe, then the last token.
+        # One round of reads (concurrent on object storage): the head, the probe, the last token.
+        # (_MAGIC stays private to shards.py: any edit there changes the sample's recipe hash,
+        # which rebuilds every sample cache.)
+        head = min(size, len(_MAGIC))
         probe = _probe_ranges(size) if size % 4 == 0 else []  # otherwise it cannot be uint32 ids
-        parts = reader.pread_many([*probe, (size - itemsize, itemsize)])
-        if sum(map(len, parts)) != sum(n for _, n in probe) + itemsize:
+        parts = reader.pread_many([(0, head), *probe, (size - itemsize, itemsize)])
+        if sum(map(len, parts)) != head + sum(n for _, n in probe) + itemsize:
             raise DataError(f"{self.path}: shorter than its {size} bytes while read; retry once it is complete")
+        if parts[0] == _MAGIC:
+            # Read as ids, a shard's zstd bytes pass every other check by chance often enough; its
+            # magic as uint16 ids would be 4 particular tokens opening a file, as uint32 ids >= 2**20.
+            raise DataError(
+                f"{self.path}: this is an olmo-data zstd shard, not raw tokens; read it with format: shards "
+                "(or write raw token files with olmo-data tokenize --format numpy)"
+            )
         if probe:
-            self._check_dtype(np.frombuffer(b"".join(parts[:-1]), dtype="<u2").reshape(-1, 2))
+            self._check_dtype(np.frombuffer(b"".join(parts[1:-1]), dtype="<u2").reshape(-1, 2))
         last = int(np.frombuffer(parts[-1], dtype=self.dtype.newbyteorder("<"))[0])
         if last != self.eos_token_id:
             # Writers end every document with eos, so a file that does not end with it lost
@@ -334,6 +355,45 @@ class ConcatSource:
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
 
 
+class PerFileWindows(ConcatSource):
+    """Files windowed as OLMo-core's `NumpyFSLDataset` windows them (`windowing: olmo-core`):
+    in the order given, file i holds floor(N_i / S) windows of S tokens, [k*S, (k+1)*S) of
+    that file, and its tail is dropped; window w of the source is entry w of that list, so a
+    window never crosses a file end. Tokens, documents and reads are those of the files
+    concatenated in the given order (what the vocab and leakage checks see)."""
+
+    def _windows_per_file(self, sequence_length: int) -> np.ndarray:
+        return np.array([s.num_tokens // sequence_length for s in self.sources], np.int64)
+
+    def num_windows(self, sequence_length: int) -> int:
+        return int(self._windows_per_file(sequence_length).sum())
+
+    def window_spans(self, within: np.ndarray, sequence_length: int) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, end of its file) of each window `within`, as offsets into the source."""
+        counts = self._windows_per_file(sequence_length)
+        ends = np.cumsum(counts)
+        file = np.searchsorted(ends, within, side="right")
+        local = within - (ends[file] - counts[file])
+        return self._bounds[file] + local * sequence_length, self._bounds[file + 1]
+
+
+def num_windows(source: TokenSource, sequence_length: int) -> int:
+    """Windows of `sequence_length` tokens in a source (its instances, olmo_data.order)."""
+    if isinstance(source, PerFileWindows):
+        return source.num_windows(sequence_length)
+    return source.num_tokens // sequence_length
+
+
+def window_spans(source: TokenSource, within: np.ndarray, sequence_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(first token, limit) of windows `within` of a source: a window is the `sequence_length`
+    tokens from its first, and the token after it (its last label) exists only below the limit:
+    the source's end, or with PerFileWindows the end of the window's file."""
+    within = np.asarray(within, dtype=np.int64)
+    if isinstance(source, PerFileWindows):
+        return source.window_spans(within, sequence_length)
+    return within * sequence_length, np.full(within.shape, source.num_tokens, np.int64)
+
+
 def locate(source: TokenSource, offset: int) -> tuple[TokenSource, int]:
     """The single-file source holding token `offset` of `source`, and the offset within it."""
     parts = getattr(source, "sources", None)
@@ -434,30 +494,34 @@ def content_sha256(path: str | os.PathLike) -> str:
     return digest
 
 
-def resolve_paths(path_or_glob: str | os.PathLike | Sequence[str | os.PathLike], format: str) -> list[str]:
-    """Files named by paths, globs or (shards) directories, local or URLs, sorted and de-duplicated."""
+def resolve_paths(
+    path_or_glob: str | os.PathLike | Sequence[str | os.PathLike], format: str, keep_order: bool = False
+) -> list[str]:
+    """Files named by paths, globs or directories, local or URLs, sorted and de-duplicated; with
+    `keep_order`, in the order the items are given (each glob's or directory's matches sorted,
+    as OLMo-core expands a glob) and a file named twice read twice, as OLMo-core reads it."""
     items = [path_or_glob] if isinstance(path_or_glob, (str, os.PathLike)) else list(path_or_glob)
     if not items:
         raise DataError("open_source: no paths given; list at least one file or glob")
     suffix = SHARD_SUFFIX if format == "shards" else ".npy"
-    found: set[str] = set()
+    found: list[str] = []
     for item in items:
         item = fileio.normalize(item)
         if glob.has_magic(item):
             matches = fileio.glob(item)
             if not matches:
                 raise DataError(f"{item}: glob matches no file; check the pattern (relative to the mixture YAML)")
-            found.update(matches)
+            found.extend(sorted(matches))
         elif fileio.isfile(item):
-            found.add(item)
+            found.append(item)
         elif fileio.isdir(item):
             matches = fileio.find(item, suffix)
             if not matches:
                 raise DataError(f"{item}: directory holds no *{suffix} file; point at the {format} files")
-            found.update(matches)
+            found.extend(sorted(matches))
         else:
             raise DataError(f"{item}: file not found; check the path (relative to the mixture YAML)")
-    return sorted(found)
+    return found if keep_order else sorted(set(found))
 
 
 def open_source(
@@ -466,17 +530,26 @@ def open_source(
     dtype: Any = None,
     eos_token_id: int | None = None,
     vocab_size: int | None = None,
+    windowing: Windowing = "concat",
 ) -> TokenSource:
     """One token source over every file named (sorted by path; a single file is returned as is).
 
     format "numpy" reads raw OLMo token files and needs dtype and eos_token_id; format
     "shards" reads dtype from each manifest (a given dtype must then match). With
     vocab_size, an id >= vocab_size is a DataError (free for shards: the manifest
-    records the largest id; a full scan for raw files).
+    records the largest id; a full scan for raw files). windowing "olmo-core" (format
+    numpy only) keeps the files in the order named and windows each on its own, as
+    OLMo-core's NumpyFSLDataset does (`PerFileWindows`).
     """
     if format not in ("shards", "numpy"):
         raise DataError(f"open_source: format {format!r} is unknown; use 'shards' or 'numpy'")
-    paths = resolve_paths(path_or_glob, format)
+    if windowing not in ("concat", "olmo-core"):
+        raise DataError(f"open_source: windowing {windowing!r} is unknown; use 'concat' or 'olmo-core'")
+    if windowing == "olmo-core" and format != "numpy":
+        raise DataError(
+            "open_source: windowing 'olmo-core' reproduces OLMo-core over its raw token files; use format numpy"
+        )
+    paths = resolve_paths(path_or_glob, format, keep_order=windowing == "olmo-core")
     sources: list[TokenSource] = []
     for path in paths:
         if format == "numpy":
@@ -497,4 +570,6 @@ def open_source(
                     f"{source.path}: token id {source.max_token_id} >= vocab_size {vocab_size}: wrong dtype, "
                     "tokenizer or vocab_size; fix the mixture's vocab_size or re-tokenize"
                 )
+    if windowing == "olmo-core":
+        return PerFileWindows(sources)
     return sources[0] if len(sources) == 1 else ConcatSource(sources)
