@@ -205,7 +205,7 @@ def test_init_statistics_and_determinism():
         assert torch.equal(h, p.to(torch.bfloat16)), name
         if p.ndim == 2:
             assert not torch.equal(p, r), name
-    # Linears are not all the same draw: each module continues the generator stream.
+    # Linears are not all the same draw: each parameter has a stream of its own (olmo_model.init).
     assert not torch.equal(model.blocks[0].attn.q_proj.weight, model.blocks[1].attn.q_proj.weight)
 
 

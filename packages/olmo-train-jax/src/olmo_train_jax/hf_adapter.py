@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
+from olmo_model.init import init_values
 
 from .model import OlmoModel
 
@@ -136,3 +137,49 @@ def model_from_hf(
     model = nnx.eval_shape(lambda: OlmoModel(spec, rngs=nnx.Rngs(0), param_dtype=param_dtype, dtype=dtype, remat=remat))
     load_hf(model, tensors, source=source)
     return model
+
+
+def initial_params(spec: ModelSpec, seed: int, abstract_params: dict) -> dict:
+    """Fresh parameters (``olmo_model.init`` for ``seed``: the torch trainer's, for any layout)
+    as a pure dict placed as ``abstract_params`` (ShapeDtypeStructs with shardings) says. Each
+    addressable device's block is computed from the HF-named elements it holds, so no process
+    draws or holds a full copy of a sharded parameter."""
+    sources: dict[tuple[str | None, str], list[tuple[str, int | None, tuple, bool]]] = {}
+    for name in hf_param_shapes(spec):
+        owner, attr, layer, index, transposed = _slot(spec, name)
+        sources.setdefault((owner, attr), []).append((name, layer, index, transposed))
+
+    def block(owner: str | None, attr: str, leaf: jax.ShapeDtypeStruct, request: tuple | None) -> np.ndarray:
+        # None: the whole array (jax's Index type allows it).
+        want = [s.indices(n)[:2] for s, n in zip(request or (slice(None),) * leaf.ndim, leaf.shape)]
+        out = np.empty([hi - lo for lo, hi in want], leaf.dtype)
+        for name, layer, index, transposed in sources[(owner, attr)]:
+            # Where HF tensor `name` lies in the array (per axis), and which axes are its own.
+            spans: list[tuple[int, int]] = [] if layer is None else [(layer, layer + 1)]
+            own: list[int] = []
+            for item in (*index, *[slice(None)] * (leaf.ndim - len(spans) - len(index))):
+                if isinstance(item, int):
+                    spans.append((item, item + 1))
+                else:
+                    own.append(len(spans))
+                    spans.append(item.indices(leaf.shape[len(spans)])[:2])
+            common = [(max(a, c), min(b, e)) for (a, b), (c, e) in zip(spans, want)]
+            if any(lo >= hi for lo, hi in common):
+                continue
+            region = [slice(common[k][0] - spans[k][0], common[k][1] - spans[k][0]) for k in own]
+            values = init_values(spec, seed, name, tuple(region[::-1] if transposed else region))
+            place = tuple(slice(lo - w, hi - w) for (lo, hi), (w, _) in zip(common, want))
+            out[place] = (values.T if transposed else values).reshape(out[place].shape)
+        return out
+
+    def place(owner: str | None, attr: str, leaf: jax.ShapeDtypeStruct) -> jax.Array:
+        return jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda idx: block(owner, attr, leaf, idx))
+
+    return {
+        key: (
+            {attr: place(key, attr, leaf) for attr, leaf in value.items()}
+            if isinstance(value, dict)
+            else place(None, key, value)
+        )
+        for key, value in abstract_params.items()
+    }

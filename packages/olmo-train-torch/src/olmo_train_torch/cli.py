@@ -9,7 +9,13 @@ Several processes on one machine (one per GPU; on CPU the gloo backend)::
 
     uv run --frozen torchrun --nproc-per-node 8 -m olmo_train_torch RECIPE.yaml --torch.parallel=fsdp
 
-Several machines: see ``olmo_train_torch.parallelize``. Without a recipe the defaults run
+Several machines: see ``olmo_train_torch.parallelize``. Check a recipe at its target scale on this
+machine (rank 0's memory for one step on COUNT GPUs of KIND, a fake process group; exit 1 when it
+does not fit, ``olmo_train_torch.dry_run``)::
+
+    uv run --frozen olmo-train-torch RECIPE.yaml --dry-run --devices h100:512 [--json]
+
+Without a recipe the defaults run
 (model "small", the embedded sample mixture, 100 steps of 16 x 512 tokens). A bad recipe,
 spec, mixture or checkpoint prints one line to stderr (rank 0) and exits with status 2,
 before the run dir is touched. A run that diverges (a non-finite loss or state, or too many
@@ -23,6 +29,7 @@ import torch.distributed as dist
 
 from olmo_run.cli import INPUT_ERRORS, run_cli
 
+from .dry_run import dry_run
 from .hf_adapter import CheckpointMismatchError
 from .parallelize import env_rank
 from .train import train
@@ -42,4 +49,5 @@ def main(argv: list[str] | None = None) -> int:
         (*INPUT_ERRORS, CheckpointMismatchError),
         reports=lambda: env_rank() == 0,
         cleanup=_leave_process_group,
+        dry_run=lambda: dry_run,
     )

@@ -129,8 +129,9 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
     """Keep this rank's contiguous slice of every MoE layer's experts and route tokens
     through the expert-parallel group: ``group`` is a process group (plain local shards),
     or a DeviceMesh whose last axis is ``ep`` (1-D, or ``expert_mesh``'s ``(edp, ep)``;
-    the shards become DTensors, see the module doc). Call it after the weights are
-    initialised or loaded (every rank must hold the same full weights at that point)."""
+    the shards become DTensors, see the module doc). Call it on a model built on the meta
+    device (the shards get their values later, ``olmo_train_torch.parallelize``), or after the
+    weights are initialised or loaded (every rank must hold the same full weights then)."""
     mesh = group if isinstance(group, DeviceMesh) else None
     if mesh is not None:
         if mesh.mesh_dim_names is None or mesh.mesh_dim_names[-1] != "ep":
@@ -158,6 +159,13 @@ def prepare_expert_parallel(model: nn.Module, ep_group, dp_size: int, expert_dp_
     ``ep_group`` and hook their gradients. Returns the expert parameters, which the wrapper
     must ignore: ``fully_shard(..., ignored_params=...)`` or ``ignore_in_ddp``."""
     apply_expert_parallel(model, ep_group)
+    return hook_expert_gradients(model, dp_size, expert_dp_group)
+
+
+def hook_expert_gradients(model: nn.Module, dp_size: int, expert_dp_group=None) -> set[nn.Parameter]:
+    """The gradient hook of ``prepare_expert_parallel`` on the (already sharded) expert weights;
+    returns them. Hooks live on the parameter objects, so this runs after anything that replaces
+    them (``to_empty`` on a meta model)."""
     params = set(expert_parameters(model))
 
     def to_sum(grad: torch.Tensor) -> torch.Tensor:

@@ -8,17 +8,30 @@ checked (``olmo_model.validate_hf_tensors``: present, expected, right shape, rig
 before anything is copied, so a bad checkpoint leaves the model untouched and raises one
 ``CheckpointMismatchError`` line naming the tensor, what was expected, what was found and
 the fix.
+
+Sharded start-up (``fill_local_shards``): each parameter of a parallelized model holds only this
+rank's block of the full tensor (a DTensor shard, or the whole tensor); the block is filled from a
+``BlockReader`` that returns HF-named blocks: ``olmo_model.init`` values for a fresh start,
+``SafetensorsBlocks`` (only the bytes of the block are read) for an HF ``init.checkpoint``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
+from olmo_model.init import Region, init_values
 
 from .model import OlmoModel
 
@@ -124,3 +137,85 @@ def model_from_hf(
     model.to_empty(device="cpu").to(dtype)
     load_hf(model, tensors, strict=True, source=source)
     return model
+
+
+# ---- sharded start-up ------------------------------------------------------------------------
+
+# HF name and block (one slice per axis of the HF tensor) -> the block's values.
+BlockReader = Callable[[str, Region], np.ndarray | torch.Tensor]
+
+
+def init_reader(spec: ModelSpec, seed: int) -> BlockReader:
+    """Blocks of the framework-neutral initial weights (``olmo_model.init``) for ``seed``."""
+    return lambda name, region: init_values(spec, seed, name, region)
+
+
+def local_block(param: torch.Tensor) -> tuple[torch.Tensor, Region]:
+    """This rank's part of ``param`` (a view: writing it writes the parameter) and where it lies
+    in the full tensor."""
+    if isinstance(param, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        return param.to_local(), tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return param, tuple(slice(0, n) for n in param.shape)
+
+
+def _local_to_hf(spec: ModelSpec) -> dict[str, list[str]]:
+    """OlmoModel parameter name -> its HF names (stacked experts: one per expert, in order)."""
+    out: dict[str, list[str]] = {}
+    for hf_name, (local, expert) in hf_to_local_names(spec).items():
+        out.setdefault(local, []).append(hf_name)
+        assert expert is None or expert == len(out[local]) - 1, hf_name  # hf_param_shapes lists experts in order
+    return out
+
+
+@torch.no_grad()
+def fill_local_shards(model: nn.Module, read: BlockReader) -> None:
+    """Write every parameter's local block of an ``OlmoModel`` (parallelized or not, storage
+    allocated, e.g. by ``to_empty``) from ``read``; no rank reads or computes another's block."""
+    spec = model.spec
+    assert isinstance(spec, ModelSpec)  # an OlmoModel, possibly class-swapped by fully_shard
+    hf_names = _local_to_hf(spec)
+    for name, param in model.named_parameters():
+        local, region = local_block(param)
+        sources = hf_names[name.replace(_CHECKPOINT_PREFIX, "")]
+        if len(sources) == 1 and param.ndim == len(hf_param_shapes(spec)[sources[0]]):
+            value = torch.as_tensor(read(sources[0], region))
+        else:  # stacked experts [E, ...]: expert e is HF tensor e; this rank holds experts region[0]
+            first, stop, _ = region[0].indices(param.shape[0])
+            value = torch.stack([torch.as_tensor(read(sources[e], region[1:])) for e in range(first, stop)])
+        local.copy_(value.reshape(local.shape))
+
+
+_SAFETENSORS_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+class SafetensorsBlocks:
+    """The HF tensors of a model's ``*.safetensors`` files as a ``BlockReader``: a block read
+    reads only its bytes (safetensors slices), so a rank never loads the full model. A context
+    manager: the files are open inside it."""
+
+    def __init__(self, files: list[Path]):
+        self._files = files
+        self._open = contextlib.ExitStack()
+        self._slices: dict[str, Any] = {}
+
+    def __enter__(self) -> SafetensorsBlocks:
+        from safetensors import safe_open
+
+        for path in self._files:
+            f = self._open.enter_context(safe_open(str(path), framework="pt"))
+            self._slices.update({name: f.get_slice(name) for name in f.keys()})
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._slices = {}
+        self._open.close()
+
+    def validate(self, spec: ModelSpec, source: str) -> None:
+        """``validate_hf_tensors`` on the files' headers, before any block is read."""
+        shapes = {name: tuple(s.get_shape()) for name, s in self._slices.items()}
+        dtypes = {name: _SAFETENSORS_DTYPES.get(s.get_dtype(), s.get_dtype()) for name, s in self._slices.items()}
+        validate_hf_tensors(spec, shapes, source, dtypes=dtypes)
+
+    def __call__(self, name: str, region: Region) -> torch.Tensor:
+        return self._slices[name][region]

@@ -38,7 +38,7 @@ from torch import nn
 from olmo_model import ModelSpec, YarnSpec
 
 from .head_loss import head_loss_sums
-from .moe import GroupedExperts, MoE, RoutingStats
+from .moe import MoE, RoutingStats
 
 
 class RMSNorm(nn.Module):
@@ -189,6 +189,22 @@ class MoEBlock(Block):
         return h + self.mlp_norm(m), stats
 
 
+class OutputHead(nn.Linear):
+    """The untied output head (d_model -> padded vocab, no bias). ``forward(h, labels)`` returns
+    the fused head + loss sums ``[ce + z_loss_weight * z, ce, z]`` (``head_loss.head_loss_sums``)
+    instead of the logits: the head's weight is used inside its own forward, where a wrapper's
+    hooks (FSDP2's gather) expect it."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec.d_model, spec.padded_vocab_size, bias=False)
+        self.z_loss_weight = spec.z_loss_weight
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        return torch.stack(head_loss_sums(h, self.weight, labels, self.z_loss_weight))
+
+
 class OlmoModel(nn.Module):
     """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None) -> logits [B,S,padded_vocab]``
     (``(logits, [RoutingStats per MoE layer])`` with ``return_moe_stats=True``)."""
@@ -201,7 +217,7 @@ class OlmoModel(nn.Module):
             MoEBlock(spec, i) if spec.is_moe_layer(i) else Block(spec) for i in range(spec.n_layers)
         )
         self.norm = RMSNorm(spec.d_model, spec.norm_eps)
-        self.lm_head = nn.Linear(spec.d_model, spec.padded_vocab_size, bias=False)
+        self.lm_head = OutputHead(spec)
         # Derived from the spec, never parameters or buffers: RoPE tables keyed by
         # (yarn?, seq, device), band masks by (seq, window, device).
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -243,7 +259,7 @@ class OlmoModel(nn.Module):
             return self._band(seq, window, device)
         return self._band(seq, window, device) & same_doc
 
-    # ---- forward / init ---------------------------------------------------------------
+    # ---- forward ----------------------------------------------------------------------
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -260,8 +276,7 @@ class OlmoModel(nn.Module):
         With ``labels`` [B,S] the output head and the loss run fused, chunk by chunk
         (``head_loss.head_loss_sums``, the full logits never exist) and the first output is
         the float32 tensor ``[ce + z_loss_weight * z, ce, z]`` of sums over labels != -100,
-        differentiable in its first entry only. It goes through ``forward`` so that FSDP's
-        hooks gather the head's weight."""
+        differentiable in its first entry only (``OutputHead``)."""
         _, seq = input_ids.shape
         device = input_ids.device
         same_doc = None
@@ -284,40 +299,20 @@ class OlmoModel(nn.Module):
                 moe_stats.append(stats)
             else:
                 x = out
-        if labels is not None:
-            sums = head_loss_sums(self.norm(x), self.lm_head.weight, labels, self.spec.z_loss_weight)
-            out = torch.stack(sums)
-        else:
-            out = self.lm_head(self.norm(x))
+        out = self.lm_head(self.norm(x), labels)
         return (out, moe_stats) if return_moe_stats else out
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Truncated normal (std spec.init_std, cut at +-init_cutoff*std) for every Linear,
-        the embedding and the stacked expert weights (routers included); norms to ones. Values are drawn on the CPU in float32 in module
-        order from one generator, so a seed gives the same weights on any device/dtype."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        std, cut = self.spec.init_std, self.spec.init_cutoff * self.spec.init_std
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                w = torch.empty(module.weight.shape, dtype=torch.float32)
-                nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cut, b=cut, generator=gen)
-                module.weight.copy_(w)
-            elif isinstance(module, GroupedExperts):
-                for param in (module.gate_proj, module.up_proj, module.down_proj):
-                    w = torch.empty(param.shape, dtype=torch.float32)
-                    nn.init.trunc_normal_(w, mean=0.0, std=std, a=-cut, b=cut, generator=gen)
-                    param.copy_(w)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
 
 
 def build_model(
     spec: ModelSpec, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> OlmoModel:
-    """An initialised model: structure on the meta device, storage on ``device``, then init."""
+    """An initialised, unsharded model: structure on the meta device, storage on ``device``,
+    then the values of ``olmo_model.init`` for ``seed`` (the weights every layout of the trainer,
+    and the JAX trainer, starts from), cast to ``dtype``."""
+    from .hf_adapter import fill_local_shards, init_reader  # hf_adapter imports OlmoModel from here
+
     with torch.device("meta"):
         model = OlmoModel(spec)
-    model.to_empty(device=device).to(dtype)
-    model.init_weights(seed)
-    return model
+    model.to_empty(device=device)
+    fill_local_shards(model, init_reader(spec, seed))
+    return model.to(dtype)

@@ -3,8 +3,8 @@
 The model (``model.py``) knows nothing of parallelism; this module wraps an unchanged
 ``OlmoModel`` from the outside, per ``recipe.torch``:
 
-- ``fsdp``: FSDP2 (``fully_shard``) on every block, then on the root, over a 1-D mesh
-  ``(dp_shard,)`` of all ranks;
+- ``fsdp``: FSDP2 (``fully_shard``) units for the embedding, every block, the final norm with
+  the output head, then the root, over a 1-D mesh ``(dp,)`` of all ranks;
 - ``hsdp``: the same over a 2-D mesh ``(dp_replicate, dp_shard)`` = ``(replicate,
   world / replicate)``: parameters sharded within a group, replicated across groups;
 - ``ddp``: ``DistributedDataParallel`` (every rank holds the full model);
@@ -21,8 +21,10 @@ a hook gives the expert gradients the same convention (``prepare_expert_parallel
 
 With precision bf16, FSDP/HSDP use ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`` over fp32 master weights; DDP and ``none`` use ``torch.autocast``
-instead (see ``autocast_context``). Activation checkpointing (``checkpoint_wrapper``, non-reentrant) and ``torch.compile``
-apply per block, before sharding, as torchtitan orders them.
+instead (see ``autocast_context``). Activation checkpointing (``checkpoint_wrapper``,
+non-reentrant) and ``torch.compile`` apply per block, before sharding, as torchtitan orders
+them. The trainer parallelizes a model built on the meta device and gives it values only then,
+this rank's shards only (``parallelize(..., materialize=...)``, ``train.start_model``).
 
 A single process started without torchrun gets no process group at all: the model is
 not wrapped, and checkpoints go through DCP's no-process-group path.
@@ -38,7 +40,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import cast
 
 import torch
@@ -52,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 from olmo_model import ModelSpec
 from olmo_model.recipe import RecipeError, TorchSection
 
-from .expert_parallel import expert_mesh, ignore_in_ddp, prepare_expert_parallel
+from .expert_parallel import apply_expert_parallel, expert_mesh, expert_parameters, hook_expert_gradients, ignore_in_ddp
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,49 @@ def build_expert_mesh(d: Distributed, section: TorchSection) -> DeviceMesh | Non
     return expert_mesh(d.device.type, d.world_size, section.expert_parallel)
 
 
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Wrap each block in ``checkpoint_wrapper`` (non-reentrant): only its input is kept for
+    backward, the block is recomputed there."""
+    blocks = cast(nn.ModuleList, model.blocks)  # nn.Module.__getattr__ is typed Tensor | Module
+    for i, block in enumerate(blocks):
+        # preserve_rng_state=False: the model has no dropout, so there is no RNG to replay.
+        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """``torch.compile`` each block in place (one graph per block, reused by every layer)."""
+    for block in cast(nn.ModuleList, model.blocks):
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str, ignored: set[nn.Parameter]) -> None:
+    """FSDP2 units: the embedding, each block, the final norm with the output head, then the root
+    (holding no parameter of its own). The head unit stays gathered after its forward: backward
+    starts there, and resharding would gather it again at once. ``ignored``: parameters left out
+    (the experts under expert parallelism)."""
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    shard = partial(fully_shard, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+    shard(model.embed)
+    for block in cast(nn.ModuleList, model.blocks):
+        shard(block)
+    shard([model.norm, model.lm_head], reshard_after_forward=False)
+    shard(model)
+
+
+def apply_ddp(model: nn.Module, device: torch.device, ignored: set[nn.Parameter]) -> nn.Module:
+    if ignored:
+        ignore_in_ddp(model, ignored)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -179,39 +226,36 @@ def parallelize(
     precision: str,
     device: torch.device,
     experts: DeviceMesh | None = None,
+    *,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Apply expert parallelism (over the ``experts`` mesh, if any), activation
-    checkpointing, compile and data parallelism to an unchanged model.
+    """Lay an unchanged model out over the ranks, in torchtitan's order: expert parallelism
+    (over ``experts``), activation checkpointing, compile, FSDP2/HSDP over ``mesh``; then a
+    model built on the meta device is materialised by ``materialize`` (storage for this rank's
+    shards only, and their values), the expert gradients are hooked and, last, DDP wraps it
+    (DDP needs values: it checks and broadcasts them when built).
 
-    Returns the module to call (the same object except for DDP, which wraps it)."""
-    expert_params: set[nn.Parameter] = set()
+    Every step but DDP works on a meta model; an initialised one is accepted too (the shards are
+    then cut from its values). Returns the module to call (the same object except for DDP)."""
+    if on_meta(model) and materialize is None:
+        raise ValueError("parallelize: the model is on the meta device; pass materialize= to give it values")
     if experts is not None:
+        apply_expert_parallel(model, experts)
+    if section.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if section.compile:
+        apply_compile(model)
+    ignored = set(expert_parameters(model)) if experts is not None else set()
+    if mesh is not None and section.parallel in ("fsdp", "hsdp"):
+        apply_fsdp(model, mesh, precision, ignored)
+    if materialize is not None:
+        materialize(model)
+    if experts is not None:
+        # After materialize, which may replace the expert parameters (to_empty).
         edp = experts["edp"]
-        expert_params = prepare_expert_parallel(
-            model, experts, dp_size=experts.size(), expert_dp_group=edp.get_group() if edp.size() > 1 else None
-        )
-    blocks = cast(nn.ModuleList, model.blocks)  # nn.Module.__getattr__ is typed Tensor | Module
-    for i, block in enumerate(blocks):
-        if section.activation_checkpointing:
-            # preserve_rng_state=False: the model has no dropout, so there is no RNG to replay.
-            block = checkpoint_wrapper(block, preserve_rng_state=False)
-        if section.compile:
-            block.compile()
-        blocks[i] = block
-    if mesh is None:
-        return model
-    if section.parallel == "ddp":
-        if expert_params:
-            ignore_in_ddp(model, expert_params)
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if precision == "bf16"
-        else MixedPrecisionPolicy()
-    )
-    for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=expert_params or None)
-    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=expert_params or None)
+        ignored = hook_expert_gradients(model, experts.size(), edp.get_group() if edp.size() > 1 else None)
+    if mesh is not None and section.parallel == "ddp":
+        return apply_ddp(model, device, ignored)
     return model
 
 
@@ -227,9 +271,12 @@ def autocast_context(model: nn.Module, precision: str, device: torch.device):
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Skip the gradient reduction on accumulation micro-steps that are not the last one."""
+    """On accumulation micro-steps that are not the last one (``enabled`` False): DDP skips its
+    all-reduce, HSDP its all-reduce across replicas. FSDP2 still reduce-scatters every micro-step
+    and accumulates the sharded gradients: skipping it would keep a full unsharded fp32 gradient
+    on every rank until the last micro-step (4 bytes per parameter: 129 GB for olmo3-32b)."""
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_all_reduce(enabled)
         return contextlib.nullcontext()
     if isinstance(model, DistributedDataParallel) and not enabled:
         return model.no_sync()

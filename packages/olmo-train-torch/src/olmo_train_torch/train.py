@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,17 @@ from olmo_model.runlog import SpikeGuard, perplexity
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
-from .hf_adapter import load_hf
-from .model import OlmoModel, RMSNorm, build_model
-from .moe import GroupedExperts, configure_moe, merge_micro_steps, moe_aux_losses, moe_step_metrics, set_routing_step
+from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
+from .model import OlmoModel, RMSNorm
+from .moe import (
+    GroupedExperts,
+    MoEAux,
+    configure_moe,
+    merge_micro_steps,
+    moe_aux_losses,
+    moe_step_metrics,
+    set_routing_step,
+)
 from .parallelize import (
     Distributed,
     autocast_context,
@@ -176,23 +185,23 @@ class StepStats:
     moe: dict[str, Any] | None = None  # MoE specs: the moe_* keys of the train line
 
 
-def train_step(
+def accumulate_gradients(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, np.ndarray],
+    tensors: dict[str, torch.Tensor],
     *,
     layout: BatchLayout,
     d: Distributed,
     spec: ModelSpec,
     recipe: Recipe,
-    lr: float,
-    guard: SpikeGuard,
     step: int = 1,
-) -> StepStats:
-    """One optimizer step (1-based ``step``, which seeds random MoE routing) over this
-    rank's slice of a global batch."""
+    micro_steps: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[MoEAux]]:
+    """Forward and backward of this rank's micro-batches (``tensors``: its rows of the global
+    batch); gradients reduced over the ranks after the last micro-step. Returns (this rank's
+    float64 [CE sum, z sum], the global valid-label count, each micro-step's MoE aux losses),
+    reading nothing back to the host. ``micro_steps``: which of the accumulation micro-steps to
+    run (default all; the dry run runs the first two and the last, whose memory the others repeat)."""
     device = d.device
-    tensors = {k: torch.from_numpy(batch[k]).to(device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
     # float64 counts and sums: exact token counts for global batches beyond 2^24 tokens.
     count = (tensors["labels"] != IGNORE_INDEX).sum().to(torch.float64)
     n_global = d.all_reduce_sum(count).clamp_min(1.0)
@@ -203,11 +212,12 @@ def train_step(
     moe_terms = []  # per micro-step MoE aux losses of the global micro-batch
     moe_group = dist.group.WORLD if d.initialized and d.world_size > 1 else None
     routing = recipe.moe.routing
-    for i in range(layout.accumulation_steps):
+    last = layout.accumulation_steps - 1
+    for i in range(layout.accumulation_steps) if micro_steps is None else micro_steps:
         rows = slice(i * micro, (i + 1) * micro)
         if spec.moe is not None:
             set_routing_step(model, step, i)
-        with gradient_sync(model, i == layout.accumulation_steps - 1):
+        with gradient_sync(model, i == last):
             with autocast_context(model, recipe.train.precision, device):
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
                 # Head + CE + z-loss fused over token chunks (head_loss.py): [objective, ce, z].
@@ -229,6 +239,28 @@ def train_step(
                 moe_terms.append(aux)
             step_loss.backward()
         sums += torch.stack([ce.detach(), z.detach()]).double()
+    return sums, n_global, moe_terms
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, np.ndarray],
+    *,
+    layout: BatchLayout,
+    d: Distributed,
+    spec: ModelSpec,
+    recipe: Recipe,
+    lr: float,
+    guard: SpikeGuard,
+    step: int = 1,
+) -> StepStats:
+    """One optimizer step (1-based ``step``, which seeds random MoE routing) over this
+    rank's slice of a global batch."""
+    tensors = {k: torch.from_numpy(batch[k]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
+    sums, n_global, moe_terms = accumulate_gradients(
+        model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, step=step
+    )
     d.all_reduce_sum(sums)
     ce_mean, z_mean = (sums / n_global).tolist()
     loss = ce_mean + spec.z_loss_weight * z_mean
@@ -236,7 +268,7 @@ def train_step(
     if moe_terms:
         merged = merge_micro_steps(moe_terms)
         assert spec.moe is not None  # only MoE layers return stats
-        loss += float(merged.weighted(spec.moe, routing))
+        loss += float(merged.weighted(spec.moe, recipe.moe.routing))
         moe = moe_step_metrics(merged, ep_size=recipe.torch.expert_parallel)
 
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -352,11 +384,18 @@ def device_peak(device: torch.device) -> tuple[float, str]:
 
 
 def prepare_model(
-    model: OlmoModel, recipe: Recipe, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None
+    model: OlmoModel,
+    recipe: Recipe,
+    d: Distributed,
+    mesh: DeviceMesh | None,
+    experts: DeviceMesh | None,
+    *,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """The recipe's MoE knobs (``moe.routing``, ``moe.mxfp8``; this rank's place among the
     data-parallel ranks) on a freshly built model, then ``parallelize`` (expert parallelism
-    over ``experts``, the ``torch.parallel`` wrapper over ``mesh``)."""
+    over ``experts``, the ``torch.parallel`` wrapper over ``mesh``; ``materialize`` gives a
+    model built on the meta device its storage and values)."""
     if model.spec.moe is not None:
         configure_moe(
             model,
@@ -366,7 +405,40 @@ def prepare_model(
             dp_size=d.world_size,
             mxfp8=recipe.moe.mxfp8,
         )
-    return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts)
+    return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts, materialize=materialize)
+
+
+def start_model(
+    recipe: Recipe,
+    spec: ModelSpec,
+    d: Distributed,
+    mesh: DeviceMesh | None,
+    experts: DeviceMesh | None,
+    *,
+    hf_files: list[Path] | None = None,
+    allocate_only: bool = False,
+) -> nn.Module:
+    """The trainer's start-up: build on the meta device, ``prepare_model`` (parallelize), then
+    allocate this rank's shards only (``to_empty``) and fill them: from ``olmo_model.init`` for
+    ``train.seed``, from the blocks of the HF ``hf_files`` this rank holds (headers checked
+    first), or not at all with ``allocate_only`` (a DCP checkpoint is loaded into them next, or
+    the dry run measures memory). No rank holds the full model unless the layout gives it one
+    (DDP, one process)."""
+
+    def materialize(model: nn.Module) -> None:
+        model.to_empty(device=d.device)
+        if allocate_only:
+            return
+        if hf_files is None:
+            fill_local_shards(model, init_reader(spec, recipe.train.seed))
+            return
+        with SafetensorsBlocks(hf_files) as blocks:
+            blocks.validate(spec, f"init.checkpoint={recipe.init.checkpoint}")
+            fill_local_shards(model, blocks)
+
+    with torch.device("meta"):
+        model = OlmoModel(spec)
+    return prepare_model(model, recipe, d, mesh, experts, materialize=materialize)
 
 
 def train(recipe: Recipe) -> Path:
@@ -411,18 +483,22 @@ class TorchTrainModule:
     framework = FRAMEWORK
 
     def __init__(self, plan: RunPlan, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None):
-        recipe, spec = plan.recipe, plan.spec
+        recipe = plan.recipe
         self.plan, self.d = plan, d
         d.barrier()  # rank 0 has written the run dir
         torch.manual_seed(recipe.train.seed)
-        model = build_model(spec, seed=recipe.train.seed, device=d.device)
         init = plan.init
-        if init is not None and init.is_hf:
-            from safetensors.torch import load_file
-
-            tensors = {k: v for f in init.safetensors_files() for k, v in load_file(f).items()}
-            load_hf(model, tensors, source=f"init.checkpoint={recipe.init.checkpoint}")
-        self.model = prepare_model(model, recipe, d, mesh, experts)
+        # A resume wins over recipe.init; both a resume and a trainer checkpoint as init load DCP.
+        hf_init = init if plan.resume is None and init is not None and init.is_hf else None
+        self.model = start_model(
+            recipe,
+            plan.spec,
+            d,
+            mesh,
+            experts,
+            hf_files=hf_init.safetensors_files() if hf_init is not None else None,
+            allocate_only=plan.resume is not None or (init is not None and not init.is_hf),
+        )
         self.optimizer = make_optimizer(self.model, recipe, d.device)
         if plan.resume is not None:
             _, ckpt, meta = plan.resume

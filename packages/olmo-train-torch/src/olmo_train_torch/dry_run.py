@@ -1,0 +1,219 @@
+"""``olmo-train-torch RECIPE.yaml --dry-run --devices KIND:COUNT [--json]``: rank 0's memory for one
+training step of the recipe on COUNT ranks, measured on this (CPU) machine without the GPUs and
+without real weights (torchtitan's fake-backend validation; contract 7).
+
+This process joins a fake process group of COUNT ranks as rank 0 (``torch.distributed``'s
+"fake" backend: collectives return at once, nothing is sent), builds the mesh and starts the
+model as the trainer does (``train.start_model``: meta, ``prepare_model`` / ``parallelize``,
+``to_empty`` of this rank's shards), but from ``to_empty`` on under ``FakeTensorMode``: every
+tensor has a shape, dtype and device and no storage. It then runs one step of the trainer's own code (``train.accumulate_gradients``:
+forward with the fused head + loss, backward, gradient reduction; ``grad_global_norm``,
+clipping, ``AdamW.step``) inside torch's memory tracker (``FSDPMemTracker`` for FSDP2/HSDP,
+``MemTracker`` otherwise), which counts every tensor storage the step creates and frees, by kind,
+and keeps the peak. The AdamW moments exist before the step (one zero-gradient update first),
+as on any step after the first.
+
+What the peak counts: parameters (sharded fp32 masters), the bf16 copies FSDP gathers, sharded
+and unsharded gradients, AdamW state, activations (with the recipe's activation checkpointing:
+the recomputed block included), backward temporaries, collective buffers and the input batch.
+What it does not: the CUDA caching allocator's fragmentation and reserve, NCCL and cuBLAS
+workspaces, the CUDA context, kernels' own scratch space. Attention runs the CPU fused kernel's
+shapes (output and log-sum-exp saved, as flash / memory-efficient attention on GPU). The step
+runs eagerly: ``torch.compile`` is not traced (the recipe's compile setting is reported, not
+applied). With gradient accumulation the first two micro-steps and the last run; the others
+repeat the second one's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+
+from olmo_model import flops_per_token, resolve_device_kind
+from olmo_model.recipe import Recipe, RecipeError, batch_layout
+from olmo_run.dry_run import DryRunReport
+
+from .model import OlmoModel
+from .parallelize import Distributed, build_mesh, check_parallel
+from .train import accumulate_gradients, clip_gradients, grad_global_norm, make_optimizer, prepare_model
+
+CPU = torch.device("cpu")
+TPU_KINDS = ("v5p", "v6e", "tpu7x")  # olmo-plan plans these for the JAX trainer
+
+# FSDPMemTracker's / MemTracker's kinds of storage -> the report's names for the parts of the peak.
+PARTS = {
+    "Sharded Param": "params",
+    "Parameter": "params",
+    "Unsharded Param": "gathered_params",
+    "All Gather": "gathered_params",
+    "Sharded Grad": "grads",
+    "Gradient": "grads",
+    "Unsharded Grad": "unsharded_grads",
+    "Reduce Scatter": "unsharded_grads",
+    "OptState": "optimizer",
+    "Optstate": "optimizer",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Inputs": "inputs",
+    "Buffer": "other",
+    "Other": "other",
+}
+
+
+@contextlib.contextmanager
+def fake_process_group(ranks: int) -> Iterator[Distributed]:
+    """This process as rank 0 of ``ranks`` over torch's fake backend (one process, no process
+    group when ``ranks`` is 1, as the trainer without torchrun)."""
+    if ranks == 1:
+        yield Distributed(rank=0, world_size=1, local_rank=0, device=CPU, initialized=False)
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    try:
+        yield Distributed(rank=0, world_size=ranks, local_rank=0, device=CPU, initialized=True)
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sharding_propagation_untracked() -> Iterator[None]:
+    """DTensor works out an op's output shape on fake tensors of the full (global) shapes, made
+    in the active FakeTensorMode. In an eager run that is a fake mode of its own, which the memory
+    tracker leaves out; here the active mode is the dry run's, so the tracker would count those
+    global-shape tensors (for ``grad_global_norm`` over all gradients: the whole model in fp32).
+    Inside this context the propagation runs with the dispatch modes set aside, as in eager."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self, op_schema):
+        with _disable_current_modes():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def _with_moments(optimizer: torch.optim.Optimizer) -> None:
+    """One AdamW update at lr 0 with zero gradients: the moments exist, the weights do not move."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
+    """Rank 0's memory for one step of ``recipe`` on ``count`` ranks of GPU kind ``device_kind``."""
+    started = time.perf_counter()
+    peak = resolve_device_kind(device_kind)
+    if peak.kind in TPU_KINDS:
+        raise RecipeError(
+            f"--devices {device_kind}:{count}: the torch trainer runs on GPUs; name a GPU kind (e.g. h100), "
+            "or dry-run the JAX trainer for TPUs"
+        )
+    spec = recipe.model_spec()
+    seq = recipe.train.sequence_length
+    if seq is None:
+        raise RecipeError("--dry-run needs train.sequence_length in the recipe (it reads no data)")
+    section = recipe.torch
+    check_parallel(section, count, spec)
+    if section.expert_parallel > 1:
+        raise RecipeError(
+            f"--dry-run with torch.expert_parallel={section.expert_parallel}: the all-to-all's split sizes "
+            "come from the routing (read on the host), which fake tensors do not have; dry-run with "
+            "torch.expert_parallel=1"
+        )
+    if section.parallel == "ddp" and count > 1:
+        raise RecipeError(
+            "--dry-run with torch.parallel=ddp: DistributedDataParallel checks and broadcasts real parameter "
+            "data when it is built, which fake tensors do not have; dry-run torch.parallel=fsdp or hsdp"
+        )
+    layout = batch_layout(recipe.global_batch_sequences(seq), count, recipe.train.micro_batch_size)
+    notes = [
+        "counts tensor storage only: no CUDA allocator fragmentation or reserve, NCCL/cuBLAS workspaces "
+        "or CUDA context (keep ~10% of HBM for them)"
+    ]
+    if section.compile:
+        notes.append("torch.compile: true in the recipe, not traced: the figures are those of the eager step")
+        recipe = recipe.model_copy(update={"torch": section.model_copy(update={"compile": False})})
+    micro_steps = sorted({0, min(1, layout.accumulation_steps - 1), layout.accumulation_steps - 1})
+    if layout.accumulation_steps > 3:
+        notes.append(
+            f"micro-steps 3..{layout.accumulation_steps - 1} of {layout.accumulation_steps} not run: they repeat micro-step 2's memory"
+        )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with fake_process_group(count) as d, contextlib.ExitStack() as fake, _sharding_propagation_untracked():
+        mesh = build_mesh(d, recipe.torch)
+        with torch.device("meta"):
+            bare = OlmoModel(spec)
+
+        def allocate(m: torch.nn.Module) -> None:
+            # start_model's allocate_only, with storage-less tensors: FakeTensorMode from here on.
+            # Its tensors cannot be swapped into modules, so the meta model is built before it and
+            # its meta parameters (the only tensors from outside the mode) are allowed in.
+            fake.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            m.to_empty(device=CPU)
+
+        model = prepare_model(bare, recipe, d, mesh, None, materialize=allocate)
+        optimizer = make_optimizer(model, recipe, CPU)
+        _with_moments(optimizer)
+        rows = layout.per_device_batch * layout.accumulation_steps
+        tensors = {k: torch.zeros((rows, seq), dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
+        tracker: MemTracker
+        if isinstance(model, FSDPModule):
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs(tuple(tensors.values()))
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer, *tensors.values())
+        with tracker:
+            accumulate_gradients(model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, micro_steps=micro_steps)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            norm = grad_global_norm(params)
+            if recipe.optim.grad_clip is not None:
+                clip_gradients(params, recipe.optim.grad_clip, norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        snapshot = tracker.get_tracker_snapshot("peak").get(CPU, {})
+        mesh_shape = {"world": 1} if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+    parts: dict[str, int] = {}
+    for kind, name in PARTS.items():
+        if snapshot.get(kind):
+            parts[name] = parts.get(name, 0) + snapshot[kind]
+    tracked = "FSDPMemTracker" if mesh is not None and section.parallel in ("fsdp", "hsdp") else "MemTracker"
+    return DryRunReport(
+        framework="torch",
+        device_kind=peak.kind,
+        devices=count,
+        mesh=mesh_shape,
+        per_device_batch=layout.per_device_batch,
+        accumulation_steps=layout.accumulation_steps,
+        peak_bytes_per_device=int(snapshot.get("Total", 0)),
+        hbm_bytes_per_device=int(peak.hbm_bytes),
+        memory_bytes=parts,
+        compile_seconds=time.perf_counter() - started,
+        model_flops_per_step=flops_per_token(spec, seq) * recipe.train.global_batch_tokens,
+        method=(
+            f"{tracked} under FakeTensorMode, rank 0 of a fake process group of {count}, "
+            f"torch.parallel={section.parallel}, eager"
+        ),
+        notes=notes,
+    )

@@ -1,0 +1,100 @@
+"""``olmo-train-torch --dry-run --devices KIND:COUNT``: rank 0 of a fake process group, the model
+started as the trainer starts it under FakeTensorMode, one step tracked (``olmo_train_torch.dry_run``).
+
+Checked against values derived here from the spec: the sharded fp32 parameters (FSDP2 pads each
+parameter's dim 0 to a multiple of the ranks), AdamW's two moments plus a 4-byte step count per
+parameter tensor, the batch layout; activation checkpointing lowers the activations at the peak;
+a layout that cannot fit exits 1 with one line; bad requests exit 2 with one line; no process
+group is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch.distributed as dist
+
+from olmo_model import get_preset, hf_param_shapes
+from olmo_train_torch.cli import main
+
+GIB = 2**30
+TINY = ["--model=tiny", "--train.sequence_length=256", "--train.global_batch_tokens=32768", "--train.precision=bf16"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _dry(capsys, *args: str) -> tuple[int, dict]:
+    capsys.readouterr()
+    status = main([*args, "--json"])
+    out = capsys.readouterr().out
+    assert not dist.is_initialized()  # the fake process group is gone
+    return status, json.loads(out)
+
+
+def _sharded_bytes(ranks: int) -> tuple[int, int]:
+    """(fp32 bytes of rank 0's padded FSDP2 shards, parameter tensors) of spec tiny."""
+    shapes = list(hf_param_shapes(get_preset("tiny")).values())
+    return sum(4 * math.ceil(s[0] / ranks) * math.prod(s[1:]) for s in shapes), len(shapes)
+
+
+def test_tiny_on_64_fake_ranks(capsys):
+    status, report = _dry(capsys, *TINY, "--torch.activation_checkpointing=true", "--dry-run", "--devices", "h100:64")
+    assert status == 0 and report["fits"]
+    assert report["ranks"] == report["devices"] == 64 and report["device_kind"] == "h100"
+    assert report["mesh"] == {"dp": 64}
+    # 32768 / 256 = 128 sequences over 64 ranks: 2 each, in one micro-step (no micro_batch_size).
+    assert (report["per_device_batch"], report["accumulation_steps"]) == (2, 1)
+    assert report["hbm_bytes_per_device"] == 80 * GIB
+    parts = report["memory_bytes"]
+    params, tensors = _sharded_bytes(64)
+    assert parts["params"] == params
+    assert parts["optimizer"] == 2 * params + 4 * tensors
+    assert report["peak_bytes_per_device"] == sum(parts.values()) >= params + parts["optimizer"]
+    assert report["planner_peak_bytes_per_device"] > 0 and "FSDPMemTracker" in report["method"]
+    # Without checkpointing every block keeps its activations for backward.
+    _, plain = _dry(capsys, *TINY, "--dry-run", "--devices", "h100:64")
+    assert parts["activations"] < plain["memory_bytes"]["activations"]
+
+
+def test_accumulation_reduces_every_micro_step_so_gradients_stay_sharded(capsys):
+    """micro_batch_size 1: 2 micro-steps. The gradients at the peak are FSDP2's sharded fp32 ones
+    (the reduce-scatter of each micro-step), never a full unsharded copy."""
+    status, report = _dry(capsys, *TINY, "--train.micro_batch_size=1", "--dry-run", "--devices", "h100:64")
+    assert status == 0 and report["accumulation_steps"] == 2
+    params, _ = _sharded_bytes(64)
+    full = 4 * sum(math.prod(s) for s in hf_param_shapes(get_preset("tiny")).values())
+    assert report["memory_bytes"].get("unsharded_grads", 0) < full / 4
+
+
+def test_a_layout_that_does_not_fit_exits_1_with_the_reason(capsys):
+    """olmo3-7b on one GPU (no wrapper, ``MemTracker``): 16 bytes per parameter (117 GB) > 80 GiB."""
+    capsys.readouterr()
+    args = ["--model=olmo3-7b", "--train.sequence_length=128", "--train.global_batch_tokens=128"]
+    assert main([*args, "--dry-run", "--devices", "h100:1"]) == 1
+    captured = capsys.readouterr()
+    assert "NO" in captured.out and "MemTracker" in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("does not fit: h100:1 needs") and "HBM is 80.00 GiB" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--dry-run"], "--devices KIND:COUNT"),
+        (["--dry-run", "--devices", "v5p:8"], "name a GPU kind"),
+        (["--dry-run", "--devices", "h900:8"], "h900"),
+        (["--dry-run", "--devices", "h100:3"], "cannot be split over 3"),
+        (
+            ["--model=tiny-moe", "--torch.expert_parallel=2", "--dry-run", "--devices", "h100:4"],
+            "torch.expert_parallel=1",
+        ),
+        (["--torch.parallel=ddp", "--dry-run", "--devices", "h100:4"], "torch.parallel=fsdp or hsdp"),
+    ],
+)
+def test_bad_requests_are_one_line_and_exit_2(capsys, args, expected):
+    capsys.readouterr()
+    assert main([*TINY, *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not dist.is_initialized()
