@@ -83,6 +83,14 @@ class Distributed:
         if self.initialized and self.world_size > 1:
             dist.barrier()
 
+    def all_gather_text(self, text: str) -> list[str]:
+        """Every rank's ``text`` in rank order, on every rank."""
+        if not (self.initialized and self.world_size > 1):
+            return [text]
+        out: list[str] = [""] * self.world_size
+        dist.all_gather_object(out, text)
+        return out
+
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

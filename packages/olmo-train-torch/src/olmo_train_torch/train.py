@@ -58,6 +58,7 @@ from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import BatchLayout, Recipe
 from olmo_model.runlog import SpikeGuard, perplexity
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
+from olmo_run.driver import check_shared_run_dir
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
@@ -458,6 +459,7 @@ def train(recipe: Recipe) -> Path:
     if announce_finished(plan, rank == 0):
         return plan.run_dir
     d = init_distributed(recipe.torch.backend)
+    check_shared_run_dir(plan.run_dir, d.rank, d.world_size, d.all_gather_text)
     mesh = build_mesh(d, recipe.torch)
     experts = build_expert_mesh(d, recipe.torch)
     mode = recipe.torch.parallel if mesh is not None else "none (single process)"
