@@ -1,6 +1,7 @@
 """olmo_model: the one Olmo 3 model spec shared by the JAX and the Torch trainer."""
 
 from .hf import HFLayoutError, hf_config, hf_param_shapes, spec_from_hf_config, validate_hf_tensors
+from .init import init_values
 from .maths import (
     PEAKS,
     DevicePeak,
@@ -53,6 +54,7 @@ __all__ = [
     "get_preset",
     "hf_config",
     "hf_param_shapes",
+    "init_values",
     "load_spec",
     "mean_keys_per_query",
     "mfu",
