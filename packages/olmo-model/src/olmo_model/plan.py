@@ -24,6 +24,10 @@ Memory model (per device, bytes):
 Torch with FSDP2/HSDP and activation checkpointing: the larger of the above and the state inside
 the fused output head (``_torch_head_phase``), where ``olmo-train-torch --dry-run`` finds the peak
 of the Olmo 3 recipes (within 5% of it on olmo3-7b h100:512, olmo3-32b h100:512 and h100:64).
+JAX (TPU kinds): the fused step as XLA:TPU compiles it (``_jax_step``): the sharded fp32 gradients
+(and accumulator) with the state, the output head's whole fp32 gradient with its copies, and the
+blocked attention's fp32 scores (``JAX_ATTENTION_SCORES``); within 11% of the compiler's peak
+(``olmo-train-jax --dry-run``) on olmo3-7b v5p:512 and v5p:128 and olmo3-32b v5p:512.
 It is an estimate (no allocator fragmentation, no compiler temporaries): keep 10% headroom.
 """
 
@@ -132,6 +136,28 @@ def _torch_head_phase(
     return state, gathered, acts, head
 
 
+# The blocked attention (olmo_train_jax.causal_attention) unrolls its query blocks, and XLA:TPU
+# keeps the fp32 scores of all of a layer's blocks live together, with their probabilities and
+# gradients in the backward: this many times one row's S x S fp32 scores per head, fitted to the
+# compiler's temporaries (olmo-train-jax --dry-run: olmo3-190m/1b-width/7b/32b at 8192 tokens).
+JAX_ATTENTION_SCORES = 1.5
+
+
+def _jax_step(spec: ModelSpec, n: int, shard: int, accumulation: int, rows: int, seq: int) -> tuple[float, int, float]:
+    """(state, head + loss, attention) bytes per device of the JAX trainer's fused step as XLA:TPU
+    compiles it (``olmo-train-jax --dry-run``): fp32 weights, AdamW moments and fp32 gradients
+    (and their accumulator with accumulation), sharded; the output head's whole fp32 gradient
+    (reduced over the batch only after its last chunk), its bf16 copy and fp32 cast and the
+    gathered bf16 head (12 bytes per d_model x padded vocab), a chunk of fp32 logits and the
+    head's input gradient (bf16); the attention scores of ``rows`` rows of ``seq`` tokens."""
+    d, v = spec.d_model, spec.padded_vocab_size
+    tokens = rows * seq
+    state = n * (16 + (4 if accumulation > 1 else 0)) / shard
+    head = 12 * d * v + min(tokens * v * 4, HEAD_CHUNK_BYTES) + tokens * d * 2
+    attention = JAX_ATTENTION_SCORES * rows * spec.n_heads * seq * seq * 4
+    return state, head, attention
+
+
 def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Plan:
     spec = recipe.model_spec()
     peak = resolve_device_kind(device_kind)
@@ -159,6 +185,9 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
         head_phase = _torch_head_phase(spec, n, shard, layout.accumulation_steps, tokens_micro)
         if sum(head_phase) > state + gathered + acts + logits:
             state, gathered, acts, logits = head_phase
+    if framework == "jax":
+        state, logits, attention = _jax_step(spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq)
+        acts += attention
     total = state + gathered + acts + logits
     hbm = peak.hbm_bytes
     fits = total <= HEADROOM * hbm

@@ -23,5 +23,11 @@ def _train():
     return train
 
 
+def _dry_run():
+    from .dry_run import dry_run  # imports jax and libtpu only for --dry-run
+
+    return dry_run
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli("olmo-train-jax", __doc__, argv, _train, (*INPUT_ERRORS, CheckpointMismatchError))
+    return run_cli("olmo-train-jax", __doc__, argv, _train, (*INPUT_ERRORS, CheckpointMismatchError), dry_run=_dry_run)

@@ -56,7 +56,9 @@ def expert_partition_spec(path: tuple[str, ...], shape: tuple[int, ...]) -> P | 
     return P(None, EXPERT_AXIS, *([None] * (len(shape) - 2)))
 
 
-def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tuple[str, ...], mxfp8: bool):
+def _ep_local(
+    x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tuple[str, ...], mxfp8: bool, platform: str
+):
     """The per-device body of the expert-parallel routed experts (module docstring, 1-4)."""
     n_tokens, k = experts.shape
     d = x.shape[-1]
@@ -78,7 +80,7 @@ def _ep_local(x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tup
     recv_ids = jax.lax.all_to_all(send_ids.reshape(ep * n_assign), EXPERT_AXIS, 0, 0, tiled=True)
 
     recv_order, sizes = sort_by_expert(recv_ids, local_experts_n)
-    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8)
+    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8, platform=platform)
     outputs = jnp.zeros_like(computed).at[recv_order].set(computed)
     back = jax.lax.all_to_all(outputs, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, n_assign, d)
 
@@ -93,6 +95,9 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
     tokens with all experts, which is still what a data-parallel mesh wants, since the
     global-view ``local_experts`` would sort the tokens of every device together."""
     ep = mesh.shape.get(EXPERT_AXIS, 1)
+    # The grouped GEMM is chosen for the mesh's devices, which for an ahead-of-time compile
+    # (dry_run) are a TPU topology's, not this host's.
+    platform = mesh.devices.flat[0].platform
     token_axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
     token_shards = 1
     for a in token_axes:
@@ -113,9 +118,9 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
                 f"mesh axes {token_axes}; make batch x sequence a multiple of {token_shards}"
             )
         if ep == 1:
-            body = functools.partial(_local_with_count, token_axes=token_axes, mxfp8=mxfp8)
+            body = functools.partial(_local_with_count, token_axes=token_axes, mxfp8=mxfp8, platform=platform)
         else:
-            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8)
+            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8, platform=platform)
         # ignore: the NamedTuple as a pytree of PartitionSpecs, mirroring the weights it shards.
         expert_w = ExpertWeights(expert_split, expert_split, expert_split)  # type: ignore[arg-type]
         return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P()))(
@@ -125,8 +130,10 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
     return experts_fn
 
 
-def _local_with_count(x, experts, weights, w: ExpertWeights, *, token_axes: tuple[str, ...], mxfp8: bool):
-    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8)
+def _local_with_count(
+    x, experts, weights, w: ExpertWeights, *, token_axes: tuple[str, ...], mxfp8: bool, platform: str
+):
+    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8, platform=platform)
     return out, jax.lax.psum(computed, token_axes)
 
 

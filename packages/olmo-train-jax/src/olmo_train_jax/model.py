@@ -196,10 +196,10 @@ def _blocked_local_attention(q, k, v, window: int, doc_ids: jax.Array | None) ->
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
-def _cudnn_attention_problem(q: jax.Array, doc_ids: jax.Array | None) -> str | None:
+def _cudnn_attention_problem(q: jax.Array, doc_ids: jax.Array | None, platform: str) -> str | None:
     """Why cuDNN's fused attention cannot run this call (None: it can)."""
-    if jax.default_backend() != "gpu":
-        return f"the backend is {jax.default_backend()}, not gpu"
+    if platform != "gpu":
+        return f"the backend is {platform}, not gpu"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"activations are {q.dtype} (cuDNN's fused attention takes bf16/fp16: train.precision=bf16)"
     if doc_ids is not None:
@@ -210,7 +210,14 @@ def _cudnn_attention_problem(q: jax.Array, doc_ids: jax.Array | None) -> str | N
 
 
 def attention(
-    q, k, v, window: int | None, doc_ids: jax.Array | None = None, impl: str = "xla", batch_shards: int = 1
+    q,
+    k,
+    v,
+    window: int | None,
+    doc_ids: jax.Array | None = None,
+    impl: str = "xla",
+    batch_shards: int = 1,
+    platform: str | None = None,
 ) -> jax.Array:
     """Causal attention of one layer, its kind static: q [B, S, N, H], k/v [B, S, K, H] (GQA
     when K < N), ``window`` the keys a query sees including itself (None: global), ``doc_ids``
@@ -225,12 +232,14 @@ def attention(
     layers with S >= ~4W the O(S W) blocked local path. Plain XLA compiles for any backend.
     On XLA:CPU the blocked path loops over the batch rows, ``batch_shards`` (the devices the
     batch axis is split over) at a time, which keeps one row's scores in cache
-    (``blocked_causal_attention(batch_loop=...)``); other backends take all rows at once."""
+    (``blocked_causal_attention(batch_loop=...)``); other backends take all rows at once.
+    ``platform``: the platform the step is compiled for (None: ``jax.default_backend()``)."""
     S = q.shape[1]
+    platform = platform or jax.default_backend()
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"jax.attention='{impl}' is unknown; use one of: {', '.join(ATTENTION_IMPLS)}")
     if impl != "xla":
-        problem = _cudnn_attention_problem(q, doc_ids)
+        problem = _cudnn_attention_problem(q, doc_ids, platform)
         if problem is not None and impl == "cudnn":
             raise ValueError(f"jax.attention=cudnn cannot run here: {problem}; set --jax.attention=auto or xla")
         if problem is None:
@@ -240,7 +249,7 @@ def attention(
             )
     if window is not None and window < S and _blocking_pays(S, window):
         return _blocked_local_attention(q, k, v, window, doc_ids)
-    loop = batch_shards if jax.default_backend() == "cpu" else 0
+    loop = batch_shards if platform == "cpu" else 0
     return blocked_causal_attention(q, k, v, window, doc_ids, batch_loop=loop)
 
 
@@ -290,9 +299,13 @@ class OlmoModel(nnx.Module):
 
     ``experts_fn`` computes the routed experts of MoE layers (``moe.ExpertsFn``); the
     default keeps all experts local, ``expert_parallel.apply_expert_parallel`` swaps in the
-    all-to-all version from outside. ``batch_shards``: how many devices the batch axis is
-    split over (the trainer sets it from the mesh before ``nnx.split``); XLA:CPU attention
-    loops over the batch that many rows at a time (``attention``)."""
+    all-to-all version from outside. The trainer also sets, from the mesh and before
+    ``nnx.split``: ``batch_shards``, how many devices the batch axis is split over (XLA:CPU
+    attention loops over the batch that many rows at a time, ``attention``); ``platform``, the
+    platform of the devices the step is compiled for (None: ``jax.default_backend()``), which
+    picks the attention path, since a step compiled ahead of time for a TPU topology on a CPU
+    host must take the TPU path; ``hidden_sharding``, where the residual stream [B, S, d_model]
+    lives between layers (None: wherever XLA's propagation puts it)."""
 
     def __init__(
         self,
@@ -321,6 +334,8 @@ class OlmoModel(nnx.Module):
         self.attention = attention
         self.experts_fn: ExpertsFn = local_experts
         self.batch_shards = 1
+        self.platform: str | None = None
+        self.hidden_sharding: jax.sharding.Sharding | None = None
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
         self.layers = StackedLayers(spec, rngs, param_dtype)
@@ -380,7 +395,7 @@ class OlmoModel(nnx.Module):
     def _forward(self, input_ids, doc_ids, routing, routing_key):
         spec, dtype = self.spec, self.dtype
         seq_len = input_ids.shape[1]
-        x = jnp.take(self.embed[...], input_ids, axis=0).astype(dtype)
+        x = self._place(jnp.take(self.embed[...], input_ids, axis=0).astype(dtype))
 
         rope = {
             SLIDING: _cos_sin(*rope_inv_freq(spec, None), seq_len),
@@ -406,6 +421,7 @@ class OlmoModel(nnx.Module):
                 if policy is not None:
                     fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
                 h, layer_stats = fn(h, {name: w[p] for name, w in weights.items()}, repeat)
+                h = self._place(h)
                 stats.append(layer_stats)
             return h, (None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats))
 
@@ -416,7 +432,7 @@ class OlmoModel(nnx.Module):
         # [repeats, period, ...] -> [n_layers, ...] in layer order, as one scan over layers gave.
         per_layer = jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), per_layer)
 
-        x = rms_norm(x, self.final_norm[...], spec.norm_eps)
+        x = self._place(rms_norm(x, self.final_norm[...], spec.norm_eps))
         if per_layer is None:
             return x, None
         stats = MoEStats(
@@ -426,6 +442,13 @@ class OlmoModel(nnx.Module):
             dropped=jnp.sum(per_layer.dropped),
         )
         return x, stats
+
+    def _place(self, x: jax.Array) -> jax.Array:
+        """``x`` [B, S, d_model] pinned to ``hidden_sharding`` (at every layer boundary, after the
+        embedding and the final norm): without the pin, XLA's propagation could keep an FSDP
+        weight split and all-gather the activations of the whole global batch onto every device
+        for the matmul instead (issue 17), which grows with the device count."""
+        return x if self.hidden_sharding is None else jax.lax.with_sharding_constraint(x, self.hidden_sharding)
 
     def _block(self, x, w, cos, sin, window, doc_ids, routing, key):
         spec, dtype = self.spec, self.dtype
@@ -447,7 +470,7 @@ class OlmoModel(nnx.Module):
         if spec.qk_norm == "per_head":
             q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards)
+        attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards, self.platform)
         o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
         h = x + (o if pre_norm else rms_norm(o, w["post_attention_norm"], eps))
         m_in = rms_norm(h, w["post_feedforward_norm"], eps) if pre_norm else h
@@ -480,5 +503,7 @@ def build_model(
     attention: str = "auto",
 ) -> OlmoModel:
     """A freshly initialised model: truncated normal (std ``init_std``, cut at
-    +-``init_cutoff`` std) for every linear and the embedding, ones for the norms."""
+    +-``init_cutoff`` std) for every linear and the embedding, ones for the norms, drawn by JAX's
+    PRNG (free under ``nnx.eval_shape``). The trainer starts from ``olmo_model.init`` instead
+    (``hf_adapter.initial_params``: the torch trainer's weights for the same seed, per shard)."""
     return OlmoModel(spec, rngs=nnx.Rngs(seed), param_dtype=param_dtype, dtype=dtype, remat=remat, attention=attention)

@@ -206,7 +206,13 @@ def _mx(x: jax.Array, axis: int) -> jax.Array:
 
 
 def grouped_swiglu(
-    xs: jax.Array, w: ExpertWeights, group_sizes: jax.Array, *, mxfp8: bool = False, gemm: str = "auto"
+    xs: jax.Array,
+    w: ExpertWeights,
+    group_sizes: jax.Array,
+    *,
+    mxfp8: bool = False,
+    gemm: str = "auto",
+    platform: str | None = None,
 ) -> jax.Array:
     """Rows of ``xs`` [N, d], sorted into consecutive groups of ``group_sizes`` [E] rows, each
     through its own expert's SwiGLU -> [N, d]; rows past sum(group_sizes) come back zero.
@@ -215,13 +221,14 @@ def grouped_swiglu(
     ``gemm`` picks the grouped GEMM (``gemm_backend`` for ``auto``): ``ragged``, one
     ``jax.lax.ragged_dot`` per matmul (TPU); ``tiled``, ``tiled_swiglu`` (CPU: XLA:CPU lowers
     ragged_dot as a dense contraction over all E groups, cost ~ N x E; tiles cost ~ N + E x
-    tile); ``mgpu``, JAX's Hopper grouped-GEMM kernels (XLA:GPU's ragged_dot is dense too)."""
+    tile); ``mgpu``, JAX's Hopper grouped-GEMM kernels (XLA:GPU's ragged_dot is dense too).
+    ``platform``: what ``auto`` chooses for (None: ``jax.default_backend()``)."""
     dtype = xs.dtype
     gate, up, down = (t.astype(dtype) for t in w)
     if mxfp8:
         # Kernels are (in, out): the reduction axis is -2 of the weights, -1 of the rows.
         xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
-    backend = gemm_backend(xs.dtype, xs.shape[1], gate.shape[2]) if gemm == "auto" else gemm
+    backend = gemm_backend(xs.dtype, xs.shape[1], gate.shape[2], platform) if gemm == "auto" else gemm
     if backend == "tiled":
         return tiled_swiglu(xs, ExpertWeights(gate, up, down), group_sizes, mxfp8=mxfp8)
     if backend == "mgpu":
@@ -242,12 +249,13 @@ MGPU_TRANSPOSED = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps
 MGPU_ALIGN = 128
 
 
-def gemm_backend(dtype, d_in: int, d_hidden: int) -> str:
-    """``auto``'s choice. XLA:CPU lowers ragged_dot densely over all groups (cost ~ N x E): tiles.
+def gemm_backend(dtype, d_in: int, d_hidden: int, platform: str | None = None) -> str:
+    """``auto``'s choice for ``platform``, the platform the step is compiled for (None:
+    ``jax.default_backend()``; a TPU topology compiled ahead of time on a CPU host is "tpu"). XLA:CPU lowers ragged_dot densely over all groups (cost ~ N x E): tiles.
     XLA:GPU does the same in jax 0.11 (measured on an H200: 8 -> 128 experts made one MoE
     block's step 15x slower), so Hopper GPUs run JAX's own Mosaic GPU grouped-GEMM kernels
     (bf16/fp16, widths multiples of 128); TPUs and other cases keep ragged_dot."""
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     if platform == "cpu":
         return "tiled"
     if (
@@ -404,14 +412,15 @@ def local_experts(
     *,
     mxfp8: bool = False,
     gemm: str = "auto",
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The routed part with every expert on this device (an ``ExpertsFn`` as it stands;
     ``functools.partial(local_experts, mxfp8=True)`` for the MXFP8 emulation, ``gemm=`` to
-    force a grouped GEMM backend)."""
+    force a grouped GEMM backend, ``platform=`` the platform ``auto`` chooses it for)."""
     n_experts = w.gate.shape[0]
     k = experts.shape[-1]
     order, sizes = sort_by_expert(experts.reshape(-1), n_experts)
-    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8, gemm=gemm)
+    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8, gemm=gemm, platform=platform)
     ys = jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
     return combine(ys, weights), jnp.sum(sizes)
 

@@ -1,0 +1,442 @@
+"""``olmo-train-jax RECIPE.yaml --dry-run --devices KIND:COUNT [--json]``: the recipe's real train
+step compiled ahead of time for a TPU topology on this machine, and the compiler's own figures for it
+(MaxText's train_compile; contract 7). No weights exist and nothing runs.
+
+What is compiled: the abstract model (``nnx.eval_shape``), prepared for a mesh over the topology's
+devices by the trainer's own ``train.for_mesh`` (so the TPU kernels are chosen, not the host's), the
+parameter / AdamW shardings and the batch layout the trainer derives (``sharding``, ``batch_layout``),
+and the fused step of ``train.make_step_functions`` (forward, fused head + loss, backward, gradient
+accumulation in a scan when the layout has it, clipping, AdamW; parameters and moments donated),
+lowered on ``jax.ShapeDtypeStruct`` arguments that carry those shardings.
+
+Memory per device, from ``Compiled.memory_analysis()``: peak = arguments + (outputs - aliased) +
+temporaries. The arguments are this device's shards of the parameters and AdamW moments plus its
+batch; the step's outputs are mostly the new parameters and moments, written into the donated
+argument buffers (aliased), so only outputs not aliased to an argument add to the arguments;
+temporaries are the block XLA assigns to everything else the program holds at some point (saved
+activations, gathered weights, gradients, collective buffers). The compiler's heap simulation
+reports a lower peak (``peak_memory_in_bytes``, put in the notes): the temporaries' block as
+assigned is what the program gets, so the peak here counts it whole. When the compiler itself
+refuses the step (RESOURCE_EXHAUSTED), the figures of its message are the report.
+
+FLOPs: XLA's cost analysis counts the body of a while loop (every ``lax.scan``: the layer scan, its
+backward, the head-loss chunks, the accumulation micro-steps) once. ``scaled_cost`` takes the
+optimized program's text, reads each loop's trip count from its condition, costs each loop body on
+its own with XLA's cost analysis (``hlo_module_cost_analysis``, the CPU client's HloCostAnalysis,
+the same FLOP count as the TPU executable's; the program-level totals agree) and adds
+(trip count - 1) x body for every loop, nested loops included. The compiler's ``optimal_seconds``
+is scaled by the same factor as its FLOPs (the loop bodies are taken to run at the program's mean
+FLOP rate): an estimate of the step time from XLA's cost model, not a measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from olmo_model import flops_per_token, resolve_device_kind
+from olmo_model.recipe import Recipe, RecipeError, batch_layout
+from olmo_run.dry_run import DryRunReport
+
+from . import sharding, train
+from .model import build_model
+
+# Kinds XLA:TPU compiles for here: torus dimensions of the topology name (3D: v5p and tpu7x; 2D: v6e).
+TPU_TOPOLOGY_DIMS = {"v5p": 3, "v6e": 2, "tpu7x": 3}
+
+
+def topology_shape(kind: str, chips: int) -> tuple[int, ...]:
+    """A slice shape of ``chips`` chips for ``kind``, as TPU slices are named: the most cubic (or
+    square) factorisation, sizes non-decreasing (v5p:512 -> 8x8x8, v5p:128 -> 4x4x8, v6e:256 ->
+    16x16); for 3D kinds a slice of fewer than 8 chips is flat (4 -> 2x2x1, 2 -> 1x2x1)."""
+    n_dims = TPU_TOPOLOGY_DIMS[kind]
+    best: tuple[int, ...] | None = None
+    for a in range(1, chips + 1):
+        if chips % a:
+            continue
+        if n_dims == 2:
+            shape: tuple[int, ...] = (a, chips // a)
+        else:
+            rest = chips // a
+            b = next((b for b in range(math.isqrt(rest), 0, -1) if rest % b == 0), 1)
+            shape = (a, b, rest // b)
+        shape = tuple(sorted(shape))
+        if best is None or shape[-1] / shape[0] < best[-1] / best[0]:
+            best = shape
+    assert best is not None  # chips >= 1 always has the factorisation 1 x ... x chips
+    if n_dims == 3 and best[0] == 1:
+        best = (best[1], best[2], 1)
+    return best
+
+
+def _host_bounds(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """Chips per host for the compile: a TPU VM host holds 2x2x1 chips; a slice smaller than a host
+    names its own shape (libtpu refuses a topology its host bounds do not divide)."""
+    return min(shape[0], 2), min(shape[1], 2), 1
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 while libtpu starts: on a host with no TPU metadata it prints a page
+    of warnings about the accelerator type and worker hostnames it cannot find, which concern a
+    real TPU VM and not an ahead-of-time compile; failures still come back as exceptions."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def topology_devices(kind: str, chips: int) -> tuple[str, list]:
+    """(topology name, the abstract devices XLA:TPU compiles for) of a ``chips``-chip ``kind`` slice."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise RecipeError(
+            f"--devices {kind}:{chips}: compiling for a TPU topology needs libtpu; install it with "
+            "`uv sync --extra tpu` (the dev group has it)"
+        )
+    from jax.experimental import topologies
+
+    # libtpu takes a host-wide lock file when it loads, so that one process owns the chips; a
+    # compile-only process owns none, and a second dry run (or a test) must not fail on the lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    shape = topology_shape(kind, chips)
+    name = f"{kind}:{'x'.join(map(str, shape))}"
+    try:
+        with _quiet_stderr():
+            topo = topologies.get_topology_desc(
+                platform="tpu", topology_name=name, chips_per_host_bounds=_host_bounds(shape)
+            )
+    except Exception as err:  # libtpu's own refusal, e.g. a shape it does not build
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise RecipeError(
+            f"--devices {kind}:{chips}: XLA:TPU has no topology {name} ({first}); use a chip count with "
+            "a TPU slice shape, e.g. a power of two"
+        ) from None
+    return name, list(topo.devices)
+
+
+# ---- the compiler's cost with loop trip counts ---------------------------------------------------
+
+_WHILE = re.compile(r"\bwhile\((%[\w.\-]+)\), condition=%([\w.\-]+), body=%([\w.\-]+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
+_DEF = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ")
+
+
+@dataclass(frozen=True)
+class ScaledCost:
+    flops: float  # per device, every loop body times its trip count
+    flops_once: float  # XLA's own program total (each loop body once)
+    trip_counts: dict[str, int]  # loop body computation -> trip count
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """Computation name -> its lines, from an HLO module's text."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.split("\n"):
+        m = _COMPUTATION.match(line)
+        if m and line.rstrip().endswith("{"):
+            current = out.setdefault(m.group(1), [])
+        if current is not None:
+            current.append(line)
+        if line == "}":
+            current = None
+    return out
+
+
+def _defs(lines: list[str]) -> dict[str, str]:
+    """Instruction name (with its %) -> the rest of its line after ``= ``, for one computation."""
+    return {m.group(1): line[m.end() :] for line in lines if (m := _DEF.match(line))}
+
+
+def _operands(instruction: str, op: str) -> list[str]:
+    """The operand names of ``op(...)`` in an instruction's text."""
+    inside = instruction[instruction.index(f" {op}(") + len(op) + 2 :]
+    inside = re.sub(r"/\*.*?\*/", "", inside[: inside.index(")")])
+    return [a.strip() for a in inside.split(",")]
+
+
+def _constant(defs: dict[str, str], name: str) -> int | None:
+    """The integer scalar constant ``name`` holds, through copies (XLA moves loop counters between
+    memory spaces with copy / copy-start / copy-done), or None."""
+    instruction = defs.get(name, "")
+    for _ in range(len(defs)):
+        m = re.match(r"[su](?:32|64)\[\]\S* (constant|copy|copy-start|copy-done|bitcast)\((\S+?)\)", instruction)
+        if m is None:
+            return None
+        if m.group(1) == "constant":
+            return int(m.group(2))
+        instruction = defs.get(m.group(2), "")
+    return None
+
+
+def _tuple_index(instruction: str) -> int | None:
+    m = re.search(r"get-tuple-element\(%[\w.\-]+\), index=(\d+)", instruction)
+    return int(m.group(1)) if m else None
+
+
+def _trip_count(caller: list[str], init: str, condition: list[str], body: list[str]) -> int:
+    """A while loop's trip count from its text: the condition is ``counter < N``, the body adds a
+    constant step to the counter, the caller starts it from a constant (JAX's scans and the SPMD
+    partitioner's windowed-einsum loops are all of this form); any other loop is refused rather
+    than guessed."""
+    cond, step_defs, caller_defs = _defs(condition), _defs(body), _defs(caller)
+    root = next(line for line in condition if line.lstrip().startswith("ROOT"))
+    problem = f"cannot read the trip count of a while loop from its condition: {root.strip()[:200]}"
+    m = re.search(r"compare\((%[\w.\-]+), (%[\w.\-]+)\), direction=LT", root)
+    if not m:
+        raise ValueError(problem)
+    index, bound = _tuple_index(cond.get(m.group(1), "")), _constant(cond, m.group(2))
+    body_root = next(line for line in body if line.lstrip().startswith("ROOT"))
+    if index is None or bound is None or " tuple(" not in body_root:
+        raise ValueError(problem)
+    update = step_defs.get(_operands(body_root, "tuple")[index], "")
+    if " add(" not in update:
+        raise ValueError(problem)
+    step = next((c for a in _operands(update, "add") if (c := _constant(step_defs, a)) is not None), None)
+    start = (
+        _constant(caller_defs, _operands(caller_defs[init], "tuple")[index])
+        if " tuple(" in caller_defs.get(init, "")
+        else None
+    )
+    if step is None or step <= 0 or start is None:
+        raise ValueError(problem)
+    return max(0, -(-(bound - start) // step))
+
+
+def scaled_cost(hlo_text: str) -> ScaledCost:
+    """The compiled program's FLOPs per device with every while loop's body counted trip-count times
+    (module docstring)."""
+    import jaxlib._hlo as hlo
+    from jax._src.lib import _jax
+
+    client = jax.devices("cpu")[0].client
+    header, _, rest = hlo_text.partition("\n")
+    # The module's attributes (entry layout, schedule, aliasing) describe the real entry; a body
+    # made the entry would contradict them, and the FLOP count needs none of them.
+    header = header.split(",")[0]
+
+    comps = _computations(rest)
+    # The computations each one calls (fusions, reductions, loop bodies...): a sub-module holds only
+    # what its entry reaches, so costing a loop body does not parse the whole program again.
+    callees = {
+        name: {c for c in re.findall(r"%([\w.\-]+)", "\n".join(lines[1:])) if c in comps and c != name}
+        for name, lines in comps.items()
+    }
+
+    def flops_with_entry(name: str) -> float:
+        reach, todo = {name}, [name]
+        while todo:
+            for c in callees[todo.pop()] - reach:
+                reach.add(c)
+                todo.append(c)
+        lines = [header]
+        for comp, body in comps.items():  # in the module's order: callees are defined before callers
+            if comp in reach:
+                first = body[0].removeprefix("ENTRY ")
+                lines += ["ENTRY " + first if comp == name else first, *body[1:]]
+        # Stack frame ids point into a table of the whole module's text that a sub-module lacks.
+        module = hlo.hlo_module_from_text(re.sub(r" ?stack_frame_id=\d+", "", "\n".join(lines)))
+        return float(_jax.hlo_module_cost_analysis(client, module).get("flops", 0.0))
+
+    loops = {name: [m.groups() for line in lines if (m := _WHILE.search(line))] for name, lines in comps.items()}
+    entry = next(name for name, lines in comps.items() if lines[0].startswith("ENTRY "))
+    once: dict[str, float] = {}
+    trips: dict[str, int] = {}
+
+    def cost_once(name: str) -> float:
+        if name not in once:
+            once[name] = flops_with_entry(name)
+        return once[name]
+
+    def total(name: str) -> float:
+        # Each loop directly in this computation is in its cost once; count it trip-count times.
+        t = cost_once(name)
+        for init, condition, body in loops.get(name, []):
+            trips[body] = _trip_count(comps[name], init, comps[condition], comps[body])
+            t += trips[body] * total(body) - cost_once(body)
+        return t
+
+    flops = total(entry)
+    nested = {body for found in loops.values() for _, _, body in found}
+    if nested - set(trips):
+        # A loop inside something other than the entry or a loop body (a conditional, a call).
+        raise ValueError(f"while loops outside the entry's loop nest are not counted: {sorted(nested - set(trips))}")
+    return ScaledCost(flops=flops, flops_once=cost_once(entry), trip_counts=trips)
+
+
+# ---- the dry run -------------------------------------------------------------------------------
+
+
+def _resource_exhausted(message: str) -> tuple[int, int] | None:
+    """(bytes needed, bytes available) from XLA:TPU's out-of-memory message, when it states them."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+    def size(text: str) -> int:
+        m = re.fullmatch(r"([\d.]+)([KMGTP]?)(?:i?B)?", text)
+        assert m is not None
+        return int(float(m.group(1)) * units[m.group(2)])
+
+    num = r"[\d.]+[KMGTP]?(?:i?B)?"
+    for pattern in (
+        rf"required for HLO temporaries \(({num})\) exceeds available HBM \(({num})\)",
+        rf"Used ({num}) of ({num}) hbm",
+    ):
+        m = re.search(pattern, message)
+        if m:
+            return size(m.group(1)), size(m.group(2))
+    return None
+
+
+def _bytes_per_device(tree: Any) -> int:
+    """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
+    return sum(
+        math.prod(leaf.sharding.shard_shape(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves(tree)
+    )
+
+
+def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
+    """Compile the recipe's train step for ``count`` chips of ``device_kind`` and report it."""
+    peak = resolve_device_kind(device_kind)
+    if peak.kind not in TPU_TOPOLOGY_DIMS:
+        raise RecipeError(
+            f"--devices {device_kind}:{count}: compiling the JAX step for {peak.kind} needs {peak.kind} GPUs "
+            f"on this machine (XLA:GPU compiles only for the GPUs it sees); dry-run a TPU kind here "
+            f"({', '.join(TPU_TOPOLOGY_DIMS)}), or use olmo-train-torch --dry-run for GPU layouts"
+        )
+    spec = recipe.model_spec()
+    seq = recipe.train.sequence_length
+    if seq is None:
+        raise RecipeError("--dry-run needs train.sequence_length in the recipe (a dry run reads no data)")
+    started = time.perf_counter()
+    topology, devices = topology_devices(peak.kind, count)
+    mesh = sharding.make_mesh(recipe.jax.mesh, devices)
+    sharding.check_mesh_for_spec(mesh, spec)
+    layout = batch_layout(recipe.global_batch_sequences(seq), sharding.dp_size(mesh), recipe.train.micro_batch_size)
+
+    make_model = partial(
+        build_model,
+        spec,
+        seed=recipe.train.seed,
+        dtype=jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32,
+        remat=recipe.jax.remat,
+        attention=recipe.jax.attention,
+    )
+    m = train.for_mesh(nnx.eval_shape(make_model), spec, recipe, mesh)
+    fns = train.make_step_functions(m.graphdef, spec, recipe, m.tx, m.params_sh, m.opt_sh, mesh)
+
+    def shaped(tree: Any, shardings: Any) -> Any:
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+    params, opt_state = shaped(m.params, m.params_sh), shaped(m.abstract_opt, m.opt_sh)
+    rows = layout.global_batch // layout.accumulation_steps
+    batch_sh = sharding.batch_sharding(mesh)
+    batch = {
+        k: jax.ShapeDtypeStruct((layout.accumulation_steps, rows, seq), jnp.int32, sharding=batch_sh)
+        for k in train.BATCH_KEYS
+    }
+    replicated = NamedSharding(mesh, P())
+    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+
+    n = len(devices)
+    model_flops = flops_per_token(spec, seq) * recipe.train.global_batch_tokens
+    notes = [
+        f"{topology}: {n} devices, mesh {dict(mesh.shape)}, {layout.per_device_batch} x {seq} tokens per device "
+        f"per micro-step, {layout.accumulation_steps} micro-step(s) in the compiled program (scan), "
+        f"remat {recipe.jax.remat}, {recipe.train.precision}",
+        "peak = arguments + outputs not aliased to the donated state + temporaries (compiler's memory analysis)",
+    ]
+    if recipe.spike_guard.enabled:
+        notes.append(
+            "spike_guard.enabled: the trainer runs gradients and update as two programs; this is the fused "
+            "step, and the split one also holds the fp32 gradients between its two programs"
+        )
+    method = f"XLA:TPU ahead-of-time compile for {topology}"
+    report = partial(
+        DryRunReport,
+        framework="jax",
+        device_kind=peak.kind,
+        devices=n,
+        mesh=dict(mesh.shape),
+        per_device_batch=layout.per_device_batch,
+        accumulation_steps=layout.accumulation_steps,
+        model_flops_per_step=model_flops,
+        method=method,
+        notes=notes,
+    )
+    lowered = fns.fused_jit.lower(params, opt_state, batch, lr, step)
+    try:
+        compiled = lowered.compile()
+    except Exception as err:  # XLA's runtime error type is private; only an out-of-memory is a result
+        message = str(err)
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        arguments = _bytes_per_device((params, opt_state, batch, lr, step))
+        figures = _resource_exhausted(message)
+        reason = next((line for line in message.splitlines() if "RESOURCE_EXHAUSTED" in line), message)
+        notes.append(f"the compiler refused the step: {reason.strip()[:300]}")
+        # The message's figures are the temporaries the step needs and the device's HBM; the
+        # arguments are on the device beside the temporaries. Without figures the temporaries
+        # alone need more than the HBM, by an amount the compiler did not say.
+        needed, available = figures or (int(peak.hbm_bytes), int(peak.hbm_bytes))
+        return report(
+            peak_bytes_per_device=arguments + needed,
+            hbm_bytes_per_device=available,
+            memory_bytes={"arguments": arguments, "temporaries_compiler_message": needed},
+            compile_seconds=time.perf_counter() - started,
+        )
+    compile_seconds = time.perf_counter() - started
+
+    mem = compiled.memory_analysis()
+    parts = {
+        "arguments": int(mem.argument_size_in_bytes),
+        "outputs_not_aliased": int(mem.output_size_in_bytes - mem.alias_size_in_bytes),
+        "temporaries": int(mem.temp_size_in_bytes),
+    }
+    heap_peak = getattr(mem, "peak_memory_in_bytes", None)
+    if heap_peak:
+        notes.append(f"the compiler's heap-simulated peak (arguments included): {heap_peak / 2**30:.2f} GiB")
+    cost = scaled_cost(compiled.as_text())
+    xla_cost = compiled.cost_analysis()
+    step_seconds = None
+    mfu = None
+    optimal = xla_cost.get("optimal_seconds") if xla_cost else None
+    if optimal and cost.flops_once > 0:
+        step_seconds = float(optimal) * cost.flops / cost.flops_once
+        mfu = model_flops / (step_seconds * n * peak.bf16_flops_per_device)
+    notes.append(
+        f"compiled FLOPs per device: XLA counts {cost.flops_once:.3e} with each loop once; with the loops' trip "
+        f"counts ({', '.join(str(t) for t in cost.trip_counts.values()) or 'none'}) {cost.flops:.3e}"
+    )
+    notes.append(
+        "step time and MFU are XLA's cost model (optimal_seconds scaled by the loops' trip counts), "
+        "an estimate on paper, not a measurement"
+    )
+    return report(
+        peak_bytes_per_device=sum(parts.values()),
+        hbm_bytes_per_device=int(peak.hbm_bytes),
+        memory_bytes=parts,
+        compile_seconds=compile_seconds,
+        compiled_flops_per_step=cost.flops * n,
+        estimated_step_seconds=step_seconds,
+        estimated_mfu=mfu,
+    )
