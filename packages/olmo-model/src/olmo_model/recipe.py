@@ -117,7 +117,7 @@ class LogSection(_Section):
 class JaxSection(_Section):
     """JAX-only knobs: never change the maths."""
 
-    # Device mesh axis sizes (data, fsdp, tensor, expert); -1 takes the devices left.
+    # Device mesh axis sizes (data, fsdp, context, tensor, expert); -1 takes the devices left.
     mesh: dict[str, int] = Field(default_factory=lambda: {"data": -1, "fsdp": 1, "tensor": 1})
     remat: Literal["none", "block", "save_dots"] = "none"  # recompute in backward: none, block, save_dots
     # auto: cuDNN's fused flash attention on GPU (bf16, no document masking), XLA elsewhere
@@ -131,9 +131,9 @@ class JaxSection(_Section):
     @field_validator("mesh")
     @classmethod
     def _mesh(cls, v: dict[str, int]) -> dict[str, int]:
-        unknown = set(v) - {"data", "fsdp", "tensor", "expert"}
+        unknown = set(v) - {"data", "fsdp", "context", "tensor", "expert"}
         if unknown:
-            raise ValueError(f"unknown mesh axes {sorted(unknown)}; use data, fsdp, tensor, expert")
+            raise ValueError(f"unknown mesh axes {sorted(unknown)}; use data, fsdp, context, tensor, expert")
         if sum(1 for x in v.values() if x == -1) > 1:
             raise ValueError("at most one mesh axis may be -1 (all remaining devices)")
         return v
@@ -148,6 +148,7 @@ class TorchSection(_Section):
     activation_checkpointing: bool = False  # per block
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on GPU, gloo on CPU
     expert_parallel: int = Field(1, gt=0)  # ranks the routed experts are split over (MoE only)
+    context_parallel: int = Field(1, gt=0)  # ranks one sequence is split over (zigzag); 1: none
 
 
 class Recipe(_Section):
