@@ -1,12 +1,19 @@
 """The run driver with a numpy train module: what it logs, when it saves and evaluates, how a
 run ends when the module fails, and the rerun of a run killed before its final eval. The
 module's "loss" is a known function of the step, so every logged number is checked against a
-value computed here from the recipe (both trainers' end-to-end tests run the driver for real)."""
+value computed here from the recipe (both trainers' end-to-end tests run the driver for real).
+
+The metrics sinks, the profiler window, data-wait and memory on the train line: TensorBoard's
+own event reader and a reader of W&B's offline run file (written here, from the record format
+W&B documents: LevelDB log blocks of protobuf Records) must give back exactly the values of
+metrics.jsonl."""
 
 from __future__ import annotations
 
 import json
 import math
+import resource
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +21,7 @@ import numpy as np
 import pytest
 
 from olmo_model import flops_per_token
-from olmo_model.recipe import load_recipe
+from olmo_model.recipe import RecipeError, load_recipe
 from olmo_model.runlog import (
     TRAIN_KEYS,
     TrainingDivergedError,
@@ -24,6 +31,8 @@ from olmo_model.runlog import (
     read_metrics,
 )
 from olmo_run import StepResult, announce_finished, plan_run, run
+from olmo_run.driver import host_memory
+from olmo_run.sinks import check_sinks, scalars
 
 STEPS = 6
 
@@ -90,6 +99,16 @@ class NumpyModule:
     def poll(self) -> None:
         if self.pending is not None:
             self.close()
+
+    def memory(self):
+        return None  # no device: the driver reports this process's RSS
+
+    def start_trace(self, folder: Path) -> None:
+        self.calls.append(f"trace {folder.name}")
+        (folder / "trace.json").write_text("{}")
+
+    def stop_trace(self) -> None:
+        self.calls.append("trace stop")
 
     def close(self) -> None:
         if self.pending is not None:
@@ -208,3 +227,121 @@ def test_a_rerun_writes_a_missing_final_eval_and_then_has_nothing_to_do(mixture,
     again: list[str] = []
     go(recipe, again)
     assert again == ["finished"]
+
+
+def tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for events in sorted(folder.glob("events.out.tfevents.*")):  # a resume appends a new file
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def wandb_history(run_file: Path) -> dict[int, dict[str, float]]:
+    """{step: {key: value}} from a W&B offline .wandb file: a 7-byte header (':W&B', magic,
+    version), then LevelDB log records (crc32c u32, length u16, type u8: 1 full, 2 first,
+    3 middle, 4 last) in 32 KiB blocks, each payload a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, payload, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:  # a block's tail too short for a header is padding
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and length == 0:
+            break
+        payload += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(payload)
+            payload = b""
+    out: dict[int, dict[str, float]] = {}
+    for raw in records:
+        r = pb.Record()
+        r.ParseFromString(raw)
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            out[int(items.pop("_step"))] = {k: v for k, v in items.items() if not k.startswith("_")}
+    return out
+
+
+def test_tensorboard_and_wandb_get_the_jsonl_values(mixture, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    recipe = recipe_for(
+        mixture,
+        tmp_path / "run",
+        "--log.sinks=[tensorboard, wandb]",
+        "--log.wandb.mode=offline",
+        "--log.wandb.project=sinks-test",
+    )
+    calls: list[str] = []
+    run_dir = go(recipe, calls)
+    records = read_metrics(run_dir)
+    expected: dict[str, dict[int, float]] = {}
+    for r in records:
+        step, values = scalars(r)
+        for tag, v in values.items():
+            expected.setdefault(tag, {})[step] = v
+    # Every numeric key of the train line and of the eval lines, at its step.
+    assert {"train/loss", "train/data_wait", "train/memory_peak_gib", "train/weight"} <= set(expected)
+    assert {"eval/held/loss", "eval/held/perplexity"} <= set(expected)
+    assert set(expected["train/loss"]) == set(range(1, STEPS + 1)) and set(expected["eval/held/loss"]) == {3, 6}
+
+    board = tensorboard_scalars(run_dir / "tensorboard")
+    assert set(board) == set(expected)
+    for tag, by_step in expected.items():
+        # Event files store float32: equal to the float64 value rounded to float32.
+        assert board[tag] == pytest.approx(by_step, rel=2**-23, abs=0), tag
+
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history = wandb_history(run_file)
+    assert set(history) == set(range(1, STEPS + 1))
+    for tag, by_step in expected.items():
+        assert {s: history[s][tag] for s in by_step} == by_step, tag  # JSON: exact float64
+    assert (run_dir / "wandb_run_id").read_text().strip() in run_file.name
+
+
+def test_train_line_data_wait_and_memory(mixture, tmp_path):
+    run_dir = go(recipe_for(mixture, tmp_path / "run"), [])
+    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    kernel_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    now, peak_now, _ = host_memory()
+    for r in train:
+        assert 0 <= r["data_wait"] <= r["step_time"]
+        assert r["memory_kind"] == "host_rss"
+        # The resident set and its peak so far: positive, the peak never below it and never above
+        # the peak read after the run (a peak only grows).
+        assert 0 < r["memory_gib"] <= r["memory_peak_gib"] <= peak_now / 2**30
+    # The peak is never below the kernel's own high-water mark.
+    assert peak_now >= kernel_peak and now > 0
+
+
+def test_profile_window(mixture, tmp_path):
+    calls: list[str] = []
+    run_dir = go(recipe_for(mixture, tmp_path / "run", "--profile.start_step=2", "--profile.steps=2"), calls)
+    assert calls[:5] == ["step 1", "trace steps_2-3", "step 2", "step 3", "eval"]
+    assert calls[5] == "trace stop" and calls.count("trace stop") == 1
+    assert (run_dir / "profile" / "steps_2-3" / "trace.json").exists()
+    # A window past the end stops with the loop.
+    calls = []
+    go(recipe_for(mixture, tmp_path / "run2", "--profile.start_step=6", "--profile.steps=5"), calls)
+    assert calls.index("trace steps_6-6") < calls.index("step 6") < calls.index("trace stop")
+
+
+def test_a_missing_sink_package_is_one_line(monkeypatch):
+    import importlib.util
+
+    from olmo_model.recipe import Recipe
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(RecipeError, match=r"log.sinks: 'wandb' needs the wandb package; install olmo-run\[wandb\]"):
+        check_sinks(Recipe.model_validate({"log": {"sinks": ["wandb"]}}))

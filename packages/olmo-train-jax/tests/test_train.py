@@ -106,7 +106,9 @@ def mixture(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def one_device_run(mixture, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("runs") / "one"
-    assert main([*BASE, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]) == 0
+    # Also the TensorBoard sink and a two-step profile: neither may change a logged number.
+    observe = ["--log.sinks=[tensorboard]", "--profile.start_step=3", "--profile.steps=2"]
+    assert main([*BASE, *observe, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]) == 0
     return run_dir
 
 
@@ -135,6 +137,23 @@ def test_metrics_keys_and_lr_follow_the_schedule(one_device_run):
     assert held["tokens"] == 16 * 64 and held["perplexity"] == pytest.approx(np.exp(held["loss"]))
     assert [s for s, _ in complete_checkpoints(one_device_run)] == [10, 20]
     assert (one_device_run / "loss.png").exists()
+    assert all(r["memory_kind"] == "host_rss" and 0 < r["memory_gib"] <= r["memory_peak_gib"] for r in train)
+
+
+def test_tensorboard_sink_and_profile_trace(one_device_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (one_device_run / "tensorboard").glob("events.out.tfevents.*")
+    acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    acc.Reload()
+    train = [r for r in read_metrics(one_device_run) if r["kind"] == "train"]
+    # float32 event values: the float64 losses rounded to float32.
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (r["step"], float(np.float32(r["loss"]))) for r in train
+    ]
+    # jax.profiler's trace of steps 3-4: TensorBoard's profile plugin layout, one xplane per host.
+    (trace,) = (one_device_run / "profile" / "steps_3-4").glob("plugins/profile/*/*.xplane.pb")
+    assert trace.stat().st_size > 1000
 
 
 def test_exact_resume_after_sigkill(mixture, one_device_run, tmp_path):

@@ -19,9 +19,15 @@ def test_default_job_loss_falls_short_version(harness, tmp_path):
             "--train.sequence_length=128",
             "--train.global_batch_tokens=1024",
             "--log.progress=false",
+            "--profile.start_step=2",
+            "--profile.steps=1",
         ]
     )
     harness.check_ok(result)
+    # torch.profiler's Chrome trace of step 2, one file per rank; the trainer's ops are in it.
+    trace = json.loads((run_dir / "profile" / "steps_2-2" / "trace_rank0.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
     lines = harness.train_lines(run_dir)
     losses = [r["loss"] for r in lines]
     assert len(losses) == 20 and abs(losses[0] - math.log(4096)) < 0.2  # a fresh model is near uniform

@@ -109,9 +109,29 @@ class MoESection(_Section):
     mxfp8: bool = False  # emulated MXFP8 (e4m3 + e8m0 per 32) for the expert GEMMs
 
 
+class WandbSection(_Section):
+    """The Weights & Biases run (``log.sinks: [wandb]``)."""
+
+    project: str = "olmo"  # W&B project
+    entity: str | None = None  # W&B team or user; null: the account's default
+    name: str | None = None  # run name; null: the recipe's name
+    group: str | None = None  # groups runs in the W&B UI (e.g. one per recipe sweep)
+    tags: list[str] = Field(default_factory=list)  # W&B run tags
+    mode: Literal["online", "offline"] = "online"  # offline: written under the run dir, `wandb sync` uploads it
+
+
 class LogSection(_Section):
     every: int = Field(1, gt=0)  # metrics line every N steps
     progress: bool = True  # progress bar on a terminal
+    sinks: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)  # besides metrics.jsonl (always)
+    wandb: WandbSection = WandbSection()
+
+
+class ProfileSection(_Section):
+    """A trace of chosen steps (jax.profiler / torch.profiler), written under <run dir>/profile."""
+
+    start_step: int | None = Field(None, gt=0)  # first traced optimizer step; null: no trace
+    steps: int = Field(3, gt=0)  # steps traced from start_step on
 
 
 class JaxSection(_Section):
@@ -165,6 +185,7 @@ class Recipe(_Section):
     eval: EvalSection = EvalSection()
     moe: MoESection = MoESection()
     log: LogSection = LogSection()
+    profile: ProfileSection = ProfileSection()
     jax: JaxSection = JaxSection()
     torch: TorchSection = TorchSection()
 
@@ -296,9 +317,9 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
                 out[key] = dict(value)
                 continue
             merged = _merge(out[key], value)
-            if value.get("tokens") is not None and "steps" not in value:
+            if key == "train" and value.get("tokens") is not None and "steps" not in value:
                 merged["steps"] = None
-            if value.get("steps") is not None and "tokens" not in value:
+            if key == "train" and value.get("steps") is not None and "tokens" not in value:
                 merged["tokens"] = None
             out[key] = merged
         else:

@@ -52,6 +52,10 @@ TRAIN_KEYS = (
     "mfu",
     "mfu_peak",
     "step_time",
+    "data_wait",  # seconds of step_time spent waiting for the batch
+    "memory_gib",  # device memory in use on process 0 after the step (host RSS on CPU)
+    "memory_peak_gib",  # the peak of that since the process started
+    "memory_kind",  # "device" or "host_rss": what the two memory figures measure
     "time",
 )
 

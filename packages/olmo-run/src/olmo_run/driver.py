@@ -51,6 +51,7 @@ from olmo_model.runlog import (
     training_meta,
     write_atomic,
 )
+from olmo_run.sinks import open_sinks
 
 # Process 0's marker in the run dir while the processes check that they share it.
 SHARED_CHECK_FILE = ".shared-run-dir-check"
@@ -174,6 +175,19 @@ class TrainModule(Protocol):
         """Called after every step: commit a background save that has finished."""
         ...
 
+    def memory(self) -> tuple[float, float, str] | None:
+        """(in use, peak) bytes of this process's accelerator memory and "device"; None where the
+        framework has no device figure (CPU), and the driver reports host RSS instead."""
+        ...
+
+    def start_trace(self, folder: Path) -> None:
+        """Start the framework's profiler, writing this process's trace under ``folder``."""
+        ...
+
+    def stop_trace(self) -> None:
+        """Stop it once the traced steps' work is done, and write the trace."""
+        ...
+
     def close(self) -> None:
         """Finish (commit) any save in flight and release the trainer's resources."""
         ...
@@ -237,6 +251,26 @@ def _reads(marker: Path, token: str) -> bool:
         return False
 
 
+def host_memory() -> tuple[float, float, str]:
+    """(resident, peak resident) bytes of this process: the CPU run's memory figure."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no procfs: the peak is the best figure there is
+        now = peak
+    # The kernel updates ru_maxrss lazily, so a fresh reading of the resident set can pass it;
+    # the largest figure seen keeps the peak from ever going down.
+    _HOST_PEAK[0] = max(_HOST_PEAK[0], peak, now)
+    return float(now), float(_HOST_PEAK[0]), "host_rss"
+
+
+_HOST_PEAK = [0]
+
+
 def announce_finished(plan: RunPlan, is_main: bool) -> bool:
     """True (and says so) when the run has nothing left to do."""
     if not plan.finished():
@@ -258,6 +292,8 @@ class Run:
         self.tokens_per_step = plan.layout.global_batch * plan.sequence_length
         self.flops_per_token = flops_per_token(plan.spec, plan.sequence_length)
         self.started = time.time()
+        self.sinks = open_sinks(self.recipe, plan.run_dir, enabled=is_main)
+        self.tracing = False
         if plan.resume is not None:
             step, ckpt, meta = plan.resume
             self.guard.load_state_dict(meta.get("spike_guard", {}))
@@ -273,9 +309,12 @@ class Run:
         elif plan.init is not None:
             console.line(plan.init.describe())
 
-    def train_record(self, step: int, lr: float, result: StepResult, step_time: float) -> dict[str, Any]:
+    def train_record(
+        self, step: int, lr: float, result: StepResult, step_time: float, data_wait: float
+    ) -> dict[str, Any]:
         """The train line: exactly ``TRAIN_KEYS``, then the trainer's extras."""
         n = self.module.n_devices
+        in_use, peak_bytes, memory_kind = self.module.memory() or host_memory()
         tps = self.tokens_per_step / step_time
         peak, label = self.module.peak
         values = (
@@ -294,6 +333,10 @@ class Run:
             mfu(self.plan.spec, self.plan.sequence_length, tps / n, peak_flops_per_device=peak),
             label,
             step_time,
+            data_wait,
+            in_use / 2**30,
+            peak_bytes / 2**30,
+            memory_kind,
             time.time() - self.started,
         )
         return {**dict(zip(TRAIN_KEYS, values, strict=True)), **result.extra}
@@ -316,15 +359,20 @@ class Run:
             return
         result = self.module.evaluate()
         allowed = {"leakage_allowed": True} if self.recipe.data.allow_leakage else {}
-        self.metrics.write({"kind": "eval", "step": step, "eval": result, **allowed})
+        self.write({"kind": "eval", "step": step, "eval": result, **allowed})
         self.console.line(
             f"eval step {step}: "
             + ", ".join(f"{k} loss {v['loss']:.4f} ppl {v['perplexity']:.2f}" for k, v in result.items())
         )
 
-    def log(self, step: int, lr: float, result: StepResult, step_time: float) -> None:
-        record = self.train_record(step, lr, result, step_time)
+    def write(self, record: dict[str, Any]) -> None:
         self.metrics.write(record)
+        for sink in self.sinks:
+            sink.write(record)
+
+    def log(self, step: int, lr: float, result: StepResult, step_time: float, data_wait: float) -> None:
+        record = self.train_record(step, lr, result, step_time, data_wait)
+        self.write(record)
         self.console.line(
             f"step {step}/{self.plan.total_steps} loss {result.loss:.4f} lr {lr:.3e} grad_norm {result.grad_norm:.3f}"
             f" {record['tokens_per_second']:,.0f} tok/s mfu {record['mfu']:.1%}"
@@ -336,15 +384,17 @@ class Run:
         batches = iter(self.plan.loader)
         try:
             for step in range(start + 1, total + 1):
+                self.trace(step)
                 # The step time includes waiting for the batch, not checkpointing or evaluation.
                 t0 = time.perf_counter()
                 batch = next(batches)
+                data_wait = time.perf_counter() - t0
                 lr = r.schedule.lr(step, r.optim.lr, total)
                 result = self.module.train_step(batch, step, lr, self.guard)
                 step_time = time.perf_counter() - t0
                 self.module.poll()
                 if step % r.log.every == 0 or step == total:
-                    self.log(step, lr, result, step_time)
+                    self.log(step, lr, result, step_time, data_wait)
                 self.console.advance(f"loss {result.loss:.4f}")
                 if step % r.checkpoint.every == 0 or step == total:
                     self.save(step)
@@ -352,10 +402,32 @@ class Run:
                     self.evaluate(step)
             if start == total:  # the final checkpoint was written but the run ended before its eval
                 self.evaluate(total)
+            self.trace(total + 1)
         finally:
             batches.close()  # stops the loader's prefetch threads
             self.console.close()
+            if self.tracing:  # the loop raised inside the traced steps: keep what was traced
+                self.module.stop_trace()
             self.module.close()  # a save in flight was checked finite: it is committed
+            for sink in self.sinks:
+                sink.close()
+
+    def trace(self, step: int) -> None:
+        """Before ``step``: start the profiler at ``profile.start_step``, stop it after the last
+        traced step (``step`` is then the one after it, or total + 1 at the loop's end)."""
+        p = self.recipe.profile
+        if p.start_step is None:
+            return
+        last = min(p.start_step + p.steps - 1, self.plan.total_steps)
+        if step == p.start_step and not self.tracing and step <= last:
+            folder = self.plan.run_dir / "profile" / f"steps_{p.start_step}-{last}"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.module.start_trace(folder)
+            self.tracing = True
+            self.console.line(f"profiling steps {p.start_step}-{last} into {folder}")
+        elif self.tracing and step > last:
+            self.module.stop_trace()
+            self.tracing = False
 
     def finish(self, title: str) -> None:
         if self.is_main:

@@ -497,6 +497,23 @@ class JaxTrainModule:
     def poll(self) -> None:
         """Orbax commits on its own thread; nothing to do between steps."""
 
+    def memory(self) -> tuple[float, float, str] | None:
+        """The fullest local device's bytes in use and peak (TPU and GPU report them; CPU does not)."""
+        stats = [d.memory_stats() for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+        if not stats or any(s is None for s in stats):
+            return None
+        return (
+            float(max(s.get("bytes_in_use", 0) for s in stats)),
+            float(max(s.get("peak_bytes_in_use", 0) for s in stats)),
+            "device",
+        )
+
+    def start_trace(self, folder: Path) -> None:
+        jax.profiler.start_trace(str(folder))  # TensorBoard's profile plugin layout (xplane.pb)
+
+    def stop_trace(self) -> None:
+        jax.profiler.stop_trace()
+
     def close(self) -> None:
         self.checkpointer.close()
 

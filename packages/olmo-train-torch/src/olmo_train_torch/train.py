@@ -554,5 +554,25 @@ class TorchTrainModule:
     def poll(self) -> None:
         self.checkpointer.poll()
 
+    def memory(self) -> tuple[float, float, str] | None:
+        """CUDA's allocated bytes and their peak on this rank's GPU; None on CPU."""
+        if not torch.cuda.is_available() or self.d.device.type != "cuda":
+            return None
+        return float(torch.cuda.memory_allocated()), float(torch.cuda.max_memory_allocated()), "device"
+
+    def start_trace(self, folder: Path) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.d.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.trace_file = folder / f"trace_rank{self.d.rank}.json"  # Chrome trace format (Perfetto, chrome://tracing)
+        self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+        self.profiler.start()
+
+    def stop_trace(self) -> None:
+        if self.d.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.profiler.stop()
+        self.profiler.export_chrome_trace(str(self.trace_file))
+
     def close(self) -> None:
         self.checkpointer.wait()
