@@ -2,10 +2,9 @@
 moto's S3 server (``moto[server]``, ThreadedMotoServer) for ``s3://`` and gcp-storage-emulator
 for ``gs://``, each behind a byte-counting TCP relay.
 
-Use it as a pytest plugin: put tests/support on sys.path and name the module in the test
-file (pytest runs with --import-mode=importlib, so a plain import of a helper file fails)::
+Use it as a pytest plugin: name the module in the test file (the root pyproject's pytest
+``pythonpath`` puts tests/support on sys.path)::
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[N] / "tests" / "support"))
     pytest_plugins = ["object_store"]
 
 Fixtures:

@@ -7,16 +7,13 @@ import hashlib
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from test_mixture_support import random_docs, two_source_mixture, write_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_mixture_support import random_docs, two_source_mixture, write_shard  # noqa: E402
-
-from olmo_data import load_mixture  # noqa: E402
-from olmo_data.cli import combine_digests, main  # noqa: E402
+from olmo_data import load_mixture
+from olmo_data.cli import combine_digests, main
 
 
 @pytest.fixture(autouse=True)

@@ -10,18 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_mixture_support import EOS, random_docs, write_mixture, write_raw, write_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_mixture_support import EOS, random_docs, write_mixture, write_raw, write_shard  # noqa: E402
-
-from olmo_data import (  # noqa: E402
+from olmo_data import (
     LeakageError,
     assert_no_leakage,
     check_leakage,
     load_mixture,
     open_training_mixture,
 )
-from olmo_data.leakage import cache_path  # noqa: E402
+from olmo_data.leakage import cache_path
 
 
 @pytest.fixture(autouse=True)

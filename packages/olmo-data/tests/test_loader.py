@@ -14,12 +14,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_mixture_support import VOCAB, random_docs, two_source_mixture, write_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_mixture_support import VOCAB, random_docs, two_source_mixture, write_shard  # noqa: E402
-
-from olmo_data import DataError, MixtureLoader, load_mixture  # noqa: E402
-from olmo_data.shards import _FOOTER, _FOOTER_MAGIC, ShardSource, read_manifest  # noqa: E402
+from olmo_data import DataError, MixtureLoader, load_mixture
+from olmo_data.shards import _FOOTER, _FOOTER_MAGIC, ShardSource, read_manifest
 
 B = 8  # global batch
 

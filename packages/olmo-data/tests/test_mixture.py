@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from test_mixture_support import random_docs, two_source_mixture, write_mixture, write_raw, write_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_mixture_support import random_docs, two_source_mixture, write_mixture, write_raw, write_shard  # noqa: E402
-
-from olmo_data import DataError, MixtureLoader, ShardCorruptError, load_mixture  # noqa: E402
+from olmo_data import DataError, MixtureLoader, ShardCorruptError, load_mixture
 
 
 def edit(path: Path, fn) -> Path:

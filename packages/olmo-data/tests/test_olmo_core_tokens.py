@@ -14,20 +14,16 @@ from __future__ import annotations
 import gzip
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from test_mixture_support import random_docs, write_shard
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "support"))
-from test_mixture_support import random_docs, write_shard  # noqa: E402
-
-from olmo_data import DataError, fileio, load_mixture, read_instances  # noqa: E402
-from olmo_data.storage import PerFileWindows, RawTokenFile, open_source  # noqa: E402
-from olmo_data.tokenize import default_dtype, tokenize_main  # noqa: E402
+from olmo_data import DataError, fileio, load_mixture, read_instances
+from olmo_data.storage import PerFileWindows, RawTokenFile, open_source
+from olmo_data.tokenize import default_dtype, tokenize_main
 
 # object_store: moto's S3 server and the GCS emulator, as in test_remote_storage.py.
 pytest_plugins = ["object_store"]

@@ -8,31 +8,28 @@ from __future__ import annotations
 
 import json
 import pickle
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_mixture_support import random_docs, write_mixture, write_raw, write_shard
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(ROOT / "tests" / "support"))
-from test_mixture_support import random_docs, write_mixture, write_raw, write_shard  # noqa: E402
-
-from olmo_data import (  # noqa: E402
+from olmo_data import (
     DataError,
     LeakageError,
     MixtureLoader,
     assert_no_leakage,
     check_leakage,
-    fileio,  # noqa: E402
+    fileio,
     load_mixture,
 )
-from olmo_data.cli import main as cli_main  # noqa: E402
-from olmo_data.order import BATCH_KEYS, GlobalOrder, derive_key  # noqa: E402
-from olmo_data.sample import train_tokenizer  # noqa: E402
-from olmo_data.tokenize import tokenize_main  # noqa: E402
+from olmo_data.cli import main as cli_main
+from olmo_data.order import BATCH_KEYS, GlobalOrder, derive_key
+from olmo_data.sample import train_tokenizer
+from olmo_data.tokenize import tokenize_main
+
+ROOT = Path(__file__).resolve().parents[3]
 
 # Fixtures s3_emulator, s3_store, gcs_store, object_store (parametrized: s3, gs) and
 # no_gcs_retry_wait; the stores are tests/support/object_store.py's ObjectStore.

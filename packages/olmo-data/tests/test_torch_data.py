@@ -4,20 +4,15 @@ iterator inside 2 workers refuses with a one-line DataError instead of replaying
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from test_mixture_support import two_source_mixture
 from torch.utils.data import DataLoader, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_mixture_support import two_source_mixture  # noqa: E402
-
-from olmo_data import DataError, MixtureLoader, load_mixture  # noqa: E402
-from olmo_data.order import BATCH_KEYS  # noqa: E402
-from olmo_data.torch_data import MixtureDataset  # noqa: E402
+from olmo_data import DataError, MixtureLoader, load_mixture
+from olmo_data.order import BATCH_KEYS
+from olmo_data.torch_data import MixtureDataset
 
 STEPS = 6
 

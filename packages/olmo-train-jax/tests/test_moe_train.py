@@ -30,19 +30,12 @@ gradient reduction (not done).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from test_train import run_subprocess, train_losses, write_mixture
 
 from olmo_model import get_preset
 from olmo_model.runlog import TRAIN_KEYS, read_metrics
 from olmo_train_jax.cli import main
-
-# The trainer tests' synthetic mixture and run helpers (pytest runs with --import-mode=importlib,
-# which puts no test folder on sys.path).
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import run_subprocess, train_losses, write_mixture  # noqa: E402
 
 STEPS = 8
 MIN_SAME_ROUTING_STEPS = 2  # see the module docstring

@@ -17,21 +17,18 @@ Learned routing across layouts is in ``test_moe_train.py`` (why it is bounded th
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import jax
 import pytest
+from test_train import run_subprocess, write_mixture
 
 from olmo_model import fp32_mean_tolerance, get_preset
 from olmo_model.recipe import RecipeError
 from olmo_model.runlog import complete_checkpoints, read_metrics
 from olmo_train_jax import sharding
 from olmo_train_jax.cli import main
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import run_subprocess, write_mixture  # noqa: E402
 
 STEPS = 20
 # 8 sequences of 64 tokens per step: 2 per device on 4 devices, no accumulation.

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_train import _documents
 
 from olmo_data import MixtureLoader, load_mixture
 from olmo_model import fp32_mean_tolerance
@@ -44,9 +45,6 @@ from olmo_model.recipe import RecipeError, load_recipe
 from olmo_model.runlog import complete_checkpoints, read_metrics
 from olmo_run.driver import SHARED_CHECK_FILE, check_shared_run_dir
 from olmo_train_jax import sharding
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_train import _documents  # noqa: E402
 
 STEPS = 6
 CHECKPOINT = 3
