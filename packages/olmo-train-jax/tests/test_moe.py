@@ -16,6 +16,7 @@ import torch
 from flax import nnx
 
 from olmo_model import MoESpec, get_preset, reference
+from olmo_model.moe import rank_load_max_over_mean
 from olmo_train_jax import model_from_hf, to_hf
 from olmo_train_jax.moe import (
     ExpertWeights,
@@ -23,7 +24,6 @@ from olmo_train_jax.moe import (
     aux_loss,
     moe_block,
     moe_metrics,
-    rank_load_max_over_mean,
     route,
     tiled_swiglu,
     top_k_lowest_index_on_ties,

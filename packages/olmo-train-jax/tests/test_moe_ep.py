@@ -32,13 +32,14 @@ def _measure() -> dict:
     from jax.sharding import PartitionSpec as P
 
     from olmo_model import get_preset, reference
+    from olmo_model.moe import rank_load_max_over_mean
     from olmo_train_jax import model_from_hf
     from olmo_train_jax.expert_parallel import (
         apply_expert_parallel,
         expert_parallel_experts,
         expert_partition_spec,
     )
-    from olmo_train_jax.moe import ExpertWeights, aux_loss, local_experts, moe_block, rank_load_max_over_mean
+    from olmo_train_jax.moe import ExpertWeights, aux_loss, local_experts, moe_block
 
     assert jax.device_count() == 4, jax.devices()
     spec = get_preset("tiny-moe")

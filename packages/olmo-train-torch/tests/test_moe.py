@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from olmo_model import MoESpec, SpecError, get_preset, param_counts, reference
 from olmo_model.hf_moe import block_tensors_from_olmoe, olmoe_block_tensors, olmoe_config, spec_from_olmoe_config
+from olmo_model.moe import rank_load_max_over_mean
 from olmo_train_torch.hf_adapter import CheckpointMismatchError, load_hf, model_from_hf, to_hf
 from olmo_train_torch.model import build_model
 from olmo_train_torch.moe import (
@@ -24,7 +25,6 @@ from olmo_train_torch.moe import (
     moe_aux_losses,
     moe_step_metrics,
     mxfp8_quantize,
-    rank_load_max_over_mean,
     route,
     top_k_lowest_index_on_ties,
 )
@@ -326,7 +326,7 @@ def test_imbalanced_router_shows_in_rank_load_while_nothing_is_dropped():
 
 def test_bad_knobs_fail_with_clear_messages():
     model = build_model(get_preset("tiny-moe"))
-    with pytest.raises(ValueError, match="routing='greedy' is unknown; use one of learned, random, uniform"):
+    with pytest.raises(ValueError, match="routing='greedy' is unknown; use one of: learned, random, uniform"):
         configure_moe(model, routing="greedy")
     with pytest.raises(ValueError, match="ep_size=3 does not divide n_experts=8"):
         rank_load_max_over_mean(torch.ones(8), ep_size=3)

@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from olmo_model import MoESpec, get_preset
+from olmo_model.moe import rank_load_max_over_mean
 from olmo_train_torch.expert_parallel import (
     apply_expert_parallel,
     ignore_in_ddp,
@@ -26,7 +27,7 @@ from olmo_train_torch.expert_parallel import (
     reduce_gradients,
 )
 from olmo_train_torch.model import build_model
-from olmo_train_torch.moe import MoE, moe_aux_losses, rank_load_max_over_mean
+from olmo_train_torch.moe import MoE, moe_aux_losses
 
 EP = 4
 STEPS = 20

@@ -60,10 +60,11 @@ import numpy as np
 from flax import nnx
 
 from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
+from olmo_model.moe import check_routing
 
 from .causal_attention import blocked_causal_attention
 from .layers import linear, rms_norm, swiglu_down
-from .moe import ROUTING_MODES, ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
+from .moe import ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 from .precision import matmul_precision
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
@@ -366,8 +367,7 @@ class OlmoModel(nnx.Module):
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids shape {doc_ids.shape} differs from input_ids shape {input_ids.shape}")
-        if routing not in ROUTING_MODES:
-            raise ValueError(f"routing='{routing}' is unknown; use one of: {', '.join(ROUTING_MODES)}")
+        check_routing(routing)
         if routing == "random" and routing_key is None:
             raise ValueError("routing='random' needs routing_key, e.g. jax.random.fold_in(jax.random.key(seed), step)")
         # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run

@@ -51,12 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from olmo_model import MoESpec
+from olmo_model.moe import E4M3_MAX, MX_BLOCK, check_routing, moe_train_metrics
+from olmo_model.moe import aux_loss as weighted_aux_loss
 
 from .layers import linear, swiglu_down
 
-ROUTING_MODES: tuple[str, ...] = ("learned", "random", "uniform")
-MX_BLOCK = 32  # elements sharing one e8m0 scale (OCP Microscaling spec v1.0)
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 # XLA flushes float32 subnormals on CPU, so the smallest scale is the smallest normal
 # 2^-126 rather than e8m0's 2^-127; only blocks with amax < 448 * 2^-126 notice.
 _MIN_SCALE_EXPONENT = -126
@@ -150,7 +149,8 @@ def route(
         experts = jnp.arange(n_tokens * k, dtype=jnp.int32).reshape(n_tokens, k) % n_experts
         weights = jnp.full((n_tokens, k), 1.0 / k, jnp.float32)
     else:
-        raise ValueError(f"routing='{mode}' is unknown; use one of: {', '.join(ROUTING_MODES)}")
+        check_routing(mode)
+        raise AssertionError(mode)  # a mode check_routing accepts but this function does not handle
     return experts.astype(jnp.int32), weights.astype(jnp.float32), probs
 
 
@@ -458,30 +458,11 @@ def moe_block(
 def aux_loss(stats: MoEStats, moe: MoESpec, routing: str = "learned") -> jax.Array:
     """The aux term of the training loss, lb_weight * lb + router_z_weight * router_z; zero
     for random/uniform routing, whose router is not trained."""
-    if routing != "learned":
-        return jnp.zeros((), jnp.float32)
-    return moe.load_balancing_loss_weight * stats.load_balancing + moe.router_z_loss_weight * stats.router_z
+    return weighted_aux_loss(stats.load_balancing, stats.router_z, moe, routing)
 
 
 def moe_metrics(stats: MoEStats, ep_size: int) -> dict[str, float | int | list[int]]:
     """The MoE keys of a train line (the contract shared with the Torch trainer) from one
     step's stats: counts summed over MoE layers, per expert-rank load, losses unweighted."""
-    counts = np.asarray(jax.device_get(stats.tokens_per_expert)).astype(np.int64)
-    return {
-        "moe_tokens_per_expert": counts.tolist(),
-        "moe_rank_load_max_over_mean": rank_load_max_over_mean(counts, ep_size),
-        "moe_dropped_tokens": int(stats.dropped),
-        "moe_lb_loss": float(stats.load_balancing),
-        "moe_router_z_loss": float(stats.router_z),
-    }
-
-
-def rank_load_max_over_mean(tokens_per_expert: np.ndarray, ep_size: int) -> float:
-    """Per expert-parallel rank (contiguous blocks of E/ep experts): the assignments it
-    computes over their mean; 1.0 is perfect balance, ep_size the worst case."""
-    counts = np.asarray(tokens_per_expert, dtype=np.float64)
-    if counts.shape[0] % ep_size:
-        raise ValueError(f"ep_size={ep_size} does not divide n_experts={counts.shape[0]}; choose a divisor")
-    per_rank = counts.reshape(ep_size, -1).sum(axis=1)
-    mean = per_rank.mean()
-    return float(per_rank.max() / mean) if mean > 0 else 1.0
+    counts = np.asarray(jax.device_get(stats.tokens_per_expert))
+    return moe_train_metrics(counts, int(stats.dropped), float(stats.load_balancing), float(stats.router_z), ep_size)

@@ -67,17 +67,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from olmo_model import MoESpec
+from olmo_model.moe import E4M3_MAX, MX_BLOCK, RoutingMode, aux_loss, check_routing, moe_train_metrics
 
 if TYPE_CHECKING:  # for annotations only: expert_parallel imports this module
     from .expert_parallel import ExpertParallelDispatcher
 
-RoutingMode = Literal["learned", "random", "uniform"]
 GemmBackend = Literal["auto", "grouped_mm", "loop"]
-ROUTING_MODES: tuple[str, ...] = ("learned", "random", "uniform")
 GEMM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
-
-MX_BLOCK = 32  # elements sharing one e8m0 scale (OCP Microscaling spec v1.0)
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
 # ---- MXFP8 emulation ------------------------------------------------------------------
@@ -275,7 +271,8 @@ def route(
         experts = slots % e
         weights = torch.full((t, k), 1.0 / k, device=logits.device)
     else:
-        raise ValueError(f"routing mode '{mode}' is unknown; use one of {', '.join(ROUTING_MODES)}")
+        check_routing(mode)
+        raise AssertionError(mode)  # a mode check_routing accepts but this function does not handle
     return Routing(experts, weights), probs
 
 
@@ -385,9 +382,7 @@ class MoEAux:
     def weighted(self, moe: MoESpec, routing: RoutingMode = "learned") -> torch.Tensor:
         """The aux term of the training loss: lb_weight * lb + router_z_weight * router_z,
         zero for random/uniform routing (whose router is not trained)."""
-        if routing != "learned":
-            return torch.zeros((), device=self.load_balancing.device)
-        return moe.load_balancing_loss_weight * self.load_balancing + moe.router_z_loss_weight * self.router_z
+        return aux_loss(self.load_balancing, self.router_z, moe, routing)
 
 
 def _global(local: torch.Tensor, group) -> torch.Tensor:
@@ -450,28 +445,17 @@ def merge_micro_steps(terms: list[MoEAux]) -> MoEAux:
     )
 
 
-def rank_load_max_over_mean(tokens_per_expert: torch.Tensor, ep_size: int) -> float:
-    """Per expert-parallel rank (contiguous blocks of E/ep experts): the tokens it computes
-    over their mean; 1.0 is perfect balance, ep_size the worst case."""
-    n_experts = tokens_per_expert.shape[0]
-    if n_experts % ep_size:
-        raise ValueError(f"ep_size={ep_size} does not divide n_experts={n_experts}; choose a divisor")
-    per_rank = tokens_per_expert.reshape(ep_size, -1).sum(1).double()
-    mean = per_rank.mean()
-    return float(per_rank.max() / mean) if mean > 0 else 1.0
-
-
 def moe_step_metrics(aux: MoEAux, ep_size: int) -> dict[str, float | int | list[int]]:
     """The MoE keys of a train line: tokens per expert summed over MoE layers,
     per expert-parallel rank load max/mean, dropped assignments (measured: rows sent to
     the experts minus rows returned; 0 for this dropless block), the unweighted aux losses."""
-    return {
-        "moe_tokens_per_expert": aux.tokens_per_expert.tolist(),
-        "moe_rank_load_max_over_mean": rank_load_max_over_mean(aux.tokens_per_expert, ep_size),
-        "moe_dropped_tokens": int(aux.dropped_tokens),
-        "moe_lb_loss": float(aux.load_balancing.detach()),
-        "moe_router_z_loss": float(aux.router_z.detach()),
-    }
+    return moe_train_metrics(
+        aux.tokens_per_expert.cpu().numpy(),
+        int(aux.dropped_tokens),
+        float(aux.load_balancing.detach()),
+        float(aux.router_z.detach()),
+        ep_size,
+    )
 
 
 def moe_modules(model: nn.Module) -> list[MoE]:
@@ -493,8 +477,7 @@ def configure_moe(
     GEMM backend and MXFP8. Call it before wrapping the model (DDP/FSDP2): random and
     uniform routing freeze the router (``requires_grad=False``; it gets no gradient), which
     DDP must know when it is built."""
-    if routing not in ROUTING_MODES:
-        raise ValueError(f"routing='{routing}' is unknown; use one of {', '.join(ROUTING_MODES)}")
+    check_routing(routing)
     if gemm not in GEMM_BACKENDS:
         raise ValueError(f"gemm='{gemm}' is unknown; use one of {', '.join(GEMM_BACKENDS)}")
     if not 0 <= dp_rank < dp_size:
