@@ -22,6 +22,11 @@ shapes (output and log-sum-exp saved, as flash / memory-efficient attention on G
 runs eagerly: ``torch.compile`` is not traced (the recipe's compile setting is reported, not
 applied). With gradient accumulation the first two micro-steps and the last run; the others
 repeat the second one's memory.
+
+With ``torch.context_parallel = C`` the fake ranks form ``world / C`` context groups; rank 0
+holds 1/C of each sequence (its zigzag chunks) and the step includes the K/V all-gathers of the
+global layers and the halo exchanges of the sliding ones (their buffers counted like any
+other tensor), as on the GPUs.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from olmo_model.recipe import Recipe, RecipeError, batch_layout
 from olmo_run.dry_run import DryRunReport
 
 from .model import OlmoModel
-from .parallelize import Distributed, build_mesh, check_parallel
+from .parallelize import Distributed, build_mesh, check_context_sequence, check_parallel
 from .train import accumulate_gradients, clip_gradients, grad_global_norm, make_optimizer, prepare_model
 
 CPU = torch.device("cpu")
@@ -134,6 +139,8 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         raise RecipeError("--dry-run needs train.sequence_length in the recipe (it reads no data)")
     section = recipe.torch
     check_parallel(section, count, spec)
+    check_context_sequence(section, seq)
+    cp = section.context_parallel
     if section.expert_parallel > 1:
         raise RecipeError(
             f"--dry-run with torch.expert_parallel={section.expert_parallel}: the all-to-all's split sizes "
@@ -145,7 +152,8 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
             "--dry-run with torch.parallel=ddp: DistributedDataParallel checks and broadcasts real parameter "
             "data when it is built, which fake tensors do not have; dry-run torch.parallel=fsdp or hsdp"
         )
-    layout = batch_layout(recipe.global_batch_sequences(seq), count, recipe.train.micro_batch_size)
+    # Context parallelism: C ranks share one data-parallel rank's rows.
+    layout = batch_layout(recipe.global_batch_sequences(seq), count // cp, recipe.train.micro_batch_size)
     notes = [
         "counts tensor storage only: no CUDA allocator fragmentation or reserve, NCCL/cuBLAS workspaces "
         "or CUDA context (keep ~10% of HBM for them)"
@@ -194,6 +202,8 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
             optimizer.zero_grad(set_to_none=True)
         snapshot = tracker.get_tracker_snapshot("peak").get(CPU, {})
         mesh_shape = {"world": 1} if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        if cp > 1:
+            mesh_shape["context"] = cp
     parts: dict[str, int] = {}
     for kind, name in PARTS.items():
         if snapshot.get(kind):
@@ -213,7 +223,9 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         model_flops_per_step=flops_per_token(spec, seq) * recipe.train.global_batch_tokens,
         method=(
             f"{tracked} under FakeTensorMode, rank 0 of a fake process group of {count}, "
-            f"torch.parallel={section.parallel}, eager"
+            f"torch.parallel={section.parallel}"
+            + (f", context parallel {cp} (rank 0 holds {seq // cp} of {seq} tokens per sequence)" if cp > 1 else "")
+            + ", eager"
         ),
         notes=notes,
     )

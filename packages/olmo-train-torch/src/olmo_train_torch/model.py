@@ -15,6 +15,10 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
   use ``is_causal=True`` (the fused flash/cuDNN path on GPU); sliding layers pass a
   boolean band mask (key k is visible to query q when q - window < k <= q);
   optional ``doc_ids`` also hide keys of other documents (every layer then uses a mask);
+- a split sequence (context parallelism): when something from outside sets ``OlmoModel.context``
+  (a ``SequenceContext``), the model holds only some columns of each row; RoPE reads the
+  full-length tables at the context's positions and each layer calls the context's attention
+  in place of SDPA (``context_parallel.py``). Unset, nothing of this runs;
 - SwiGLU MLP with separate gate/up/down projections; no biases anywhere;
 - MoE layers (``spec.is_moe_layer(i)``): the MLP is ``moe.MoE`` (router, routed experts
   through grouped GEMMs, shared experts); such a block returns ``(x, RoutingStats)`` and
@@ -30,6 +34,8 @@ meta device and materialised with ``to_empty`` needs no re-initialisation of the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +89,24 @@ def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[torch.Tensor,
     return inv_freq, scale
 
 
+# An attention in place of scaled_dot_product_attention: (q [B,H,s,hd], k, v [B,Hkv,s,hd]) -> [B,H,s,hd].
+AttentionOp = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# What a layer's attention gets: a mask for SDPA (None: causal) or the attention to call.
+AttentionArg = torch.Tensor | AttentionOp | None
+
+
+class SequenceContext(Protocol):
+    """What the model asks of a split sequence (installed from outside as ``OlmoModel.context``,
+    e.g. ``context_parallel.ContextParallel``): the positions of this process's columns and,
+    per attention kind, the attention across the split. The model decides nothing about it."""
+
+    degree: int
+
+    def positions(self, local_seq: int, device: torch.device) -> torch.Tensor: ...
+
+    def attention(self, window: int | None, local_seq: int, doc_ids: torch.Tensor | None) -> AttentionOp: ...
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -110,7 +134,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionArg) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.qk_norm == "full":
@@ -122,6 +146,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return self.o_proj(mask(q, k, v).transpose(1, 2).reshape(b, s, -1))
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -162,7 +188,7 @@ class Block(nn.Module):
             return x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.attn_norm(self.attn(x, cos, sin, mask))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionArg) -> torch.Tensor:
         h = self._attend(x, cos, sin, mask)
         if self.pre_norm:
             return h + self.mlp(self.mlp_norm(h))
@@ -179,7 +205,7 @@ class MoEBlock(Block):
     # Not a drop-in Block: it also returns its routing stats, which OlmoModel.forward tells
     # apart by the tuple.
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionArg
     ) -> tuple[torch.Tensor, RoutingStats]:
         h = self._attend(x, cos, sin, mask)
         if self.pre_norm:
@@ -222,6 +248,9 @@ class OlmoModel(nn.Module):
         # (yarn?, seq, device), band masks by (seq, window, device).
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._mask_cache: dict[tuple, torch.Tensor] = {}
+        # A split sequence (context parallelism), installed from outside; None: the whole
+        # sequence is here and attention is this module's own.
+        self.context: SequenceContext | None = None
 
     # ---- derived tables -------------------------------------------------------------
     def _rope(self, layer: int, seq: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,7 +305,11 @@ class OlmoModel(nn.Module):
         With ``labels`` [B,S] the output head and the loss run fused, chunk by chunk
         (``head_loss.head_loss_sums``, the full logits never exist) and the first output is
         the float32 tensor ``[ce + z_loss_weight * z, ce, z]`` of sums over labels != -100,
-        differentiable in its first entry only (``OutputHead``)."""
+        differentiable in its first entry only (``OutputHead``).
+
+        With a ``context`` installed (context parallelism), ``input_ids``, ``doc_ids`` and
+        ``labels`` are this process's columns of the rows (``context.positions``) and the
+        outputs are theirs."""
         _, seq = input_ids.shape
         device = input_ids.device
         same_doc = None
@@ -286,13 +319,26 @@ class OlmoModel(nn.Module):
                     f"doc_ids has shape {tuple(doc_ids.shape)} but input_ids has {tuple(input_ids.shape)}; "
                     "pass one document label per token"
                 )
-            same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # [B,1,S,S]
+            if self.context is None:
+                same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]  # [B,1,S,S]
         windows = [self.spec.window_of(i) for i in range(len(self.blocks))]
-        masks = {w: self._mask(w, seq, device, same_doc) for w in set(windows)}
+        masks: dict[int | None, AttentionArg]
+        context = self.context
+        if context is None:
+            masks = {w: self._mask(w, seq, device, same_doc) for w in set(windows)}
+        else:
+            # This process holds ``seq`` of the sequence's columns, at ``positions``: RoPE reads
+            # the full-length tables there, and attention across the split is the context's.
+            # In layer order, not set order: making one may run a collective, the same on all ranks.
+            positions = context.positions(seq, device)
+            masks = {w: context.attention(w, seq, doc_ids) for w in dict.fromkeys(windows)}
         x = self.embed(input_ids)
         moe_stats: list[RoutingStats] = []
         for i, block in enumerate(self.blocks):
-            cos, sin = self._rope(i, seq, device)
+            if context is None:
+                cos, sin = self._rope(i, seq, device)
+            else:
+                cos, sin = (t[positions] for t in self._rope(i, seq * context.degree, device))
             out = block(x, cos, sin, masks[windows[i]])
             if isinstance(out, tuple):
                 x, stats = out

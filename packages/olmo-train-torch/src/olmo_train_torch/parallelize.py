@@ -19,6 +19,18 @@ by all-to-all; the dense parts (attention, router, shared experts, embeddings) s
 the mode's wrapper over all ranks. The wrapper averages dense gradients over the ranks;
 a hook gives the expert gradients the same convention (``prepare_expert_parallel``).
 
+Context parallelism (``torch.context_parallel = C > 1``): each sequence is split over C
+consecutive ranks (``olmo_model.context``'s zigzag layout; ``context_parallel.ContextParallel``,
+installed as ``OlmoModel.context``, carries the attention across the split). The world is then
+``dp x C``: the loader's data-parallel rank is ``rank // C`` and all C ranks of a group read the
+same rows, keeping their own columns. FSDP2/HSDP shard parameters over all ranks, data x context
+flattened (torchtitan's ``dp_shard_cp``), not over data only: the C ranks of a group hold the
+same parameters and their gradients must be summed anyway, so sharding over them too costs the
+same reduce-scatter bytes per rank and divides parameter, gradient and AdamW memory by C (at
+olmo3-7b stage 3, CP 8 on 512 GPUs: 512-way rather than 64-way shards). The wrapper's mean over
+all ranks with each rank's loss scaled by the world size gives the global-token mean, as for
+pure data parallelism. DDP takes it as is (all ranks, one all-reduce). Not with MoE specs.
+
 With precision bf16, FSDP/HSDP use ``MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)`` over fp32 master weights; DDP and ``none`` use ``torch.autocast``
 instead (see ``autocast_context``). Activation checkpointing (``checkpoint_wrapper``,
@@ -56,7 +68,9 @@ from torch.nn.parallel import DistributedDataParallel
 from olmo_model import ModelSpec
 from olmo_model.recipe import RecipeError, TorchSection
 
+from .context_parallel import ContextParallel
 from .expert_parallel import apply_expert_parallel, expert_mesh, expert_parameters, hook_expert_gradients, ignore_in_ddp
+from .model import OlmoModel
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,24 @@ def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | Non
             f"torch.replicate={section.replicate} does not divide the {world_size} ranks; "
             f"choose a divisor of {world_size}"
         )
+    cp = section.context_parallel
+    if cp > 1:
+        if world_size % cp:
+            raise RecipeError(
+                f"torch.context_parallel={cp} does not divide the {world_size} ranks; "
+                f"choose a divisor of {world_size} (or launch a multiple of {cp} processes)"
+            )
+        if section.parallel == "hsdp" and (world_size // section.replicate) % cp:
+            raise RecipeError(
+                f"torch.context_parallel={cp} does not divide the HSDP shard group of "
+                f"{world_size // section.replicate} ranks (torch.replicate={section.replicate}); "
+                "choose a context degree that divides world / replicate"
+            )
+        if spec is not None and spec.moe is not None:
+            raise RecipeError(
+                f"torch.context_parallel={cp} with a mixture-of-experts model is not supported "
+                "(routing and aux losses count tokens per data-parallel rank); set torch.context_parallel=1"
+            )
     ep = section.expert_parallel
     if ep == 1:
         return
@@ -163,6 +195,45 @@ def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | Non
             f"torch.expert_parallel={ep} does not divide moe.n_experts={spec.moe.n_experts}; "
             f"choose a common divisor of {spec.moe.n_experts} and {world_size}"
         )
+
+
+def check_context_sequence(section: TorchSection, sequence_length: int) -> None:
+    """Refuse a context degree the sequence cannot be split by (2 x degree equal chunks)."""
+    cp = section.context_parallel
+    if cp > 1 and sequence_length % (2 * cp):
+        raise RecipeError(
+            f"torch.context_parallel={cp} splits each sequence into {2 * cp} equal chunks, but the sequence "
+            f"length {sequence_length} is not a multiple of {2 * cp}; choose a degree whose double divides it"
+        )
+
+
+def build_context(section: TorchSection, device_type: str) -> ContextParallel | None:
+    """The context group of this rank for ``torch.context_parallel > 1`` (an ``(dp, cp)``
+    mesh of all ranks, named ``(data, context)``, context innermost: a group is C consecutive ranks, one node's NVLink
+    domain for C <= 8); None for degree 1."""
+    cp = section.context_parallel
+    if cp == 1:
+        return None
+    if not dist.is_initialized():
+        raise RecipeError(
+            f"torch.context_parallel={cp} needs {cp} or more processes under torchrun; "
+            "set torch.context_parallel=1 for a single process"
+        )
+    world = dist.get_world_size()
+    mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("data", "context"))
+    return ContextParallel(
+        group=mesh["context"].get_group(),
+        degree=cp,
+        rank=mesh["context"].get_local_rank(),
+        dp_rank=mesh["data"].get_local_rank(),
+        dp_size=world // cp,
+    )
+
+
+def context_of(model: nn.Module) -> ContextParallel | None:
+    """The context parallelism ``parallelize`` installed on ``model`` (None: none)."""
+    context = getattr(unwrap(model), "context", None)
+    return context if isinstance(context, ContextParallel) else None
 
 
 def build_mesh(d: Distributed, section: TorchSection) -> DeviceMesh | None:
@@ -237,8 +308,9 @@ def parallelize(
     *,
     materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Lay an unchanged model out over the ranks, in torchtitan's order: expert parallelism
-    (over ``experts``), activation checkpointing, compile, FSDP2/HSDP over ``mesh``; then a
+    """Lay an unchanged model out over the ranks, in torchtitan's order: context parallelism
+    (``section.context_parallel``: the context group installed as ``model.context``), expert
+    parallelism (over ``experts``), activation checkpointing, compile, FSDP2/HSDP over ``mesh``; then a
     model built on the meta device is materialised by ``materialize`` (storage for this rank's
     shards only, and their values), the expert gradients are hooked and, last, DDP wraps it
     (DDP needs values: it checks and broadcasts them when built).
@@ -247,6 +319,12 @@ def parallelize(
     then cut from its values). Returns the module to call (the same object except for DDP)."""
     if on_meta(model) and materialize is None:
         raise ValueError("parallelize: the model is on the meta device; pass materialize= to give it values")
+    context = build_context(section, device.type)
+    if context is not None:
+        if not isinstance(model, OlmoModel):
+            raise TypeError(f"parallelize: context parallelism needs an OlmoModel, got {type(model).__name__}")
+        context.compiled = section.compile
+        model.context = context
     if experts is not None:
         apply_expert_parallel(model, experts)
     if section.activation_checkpointing:

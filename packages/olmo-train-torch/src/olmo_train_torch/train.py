@@ -3,7 +3,10 @@
 One optimizer step ``s`` (1-based) over a global batch of sequences:
 
 - the global batch is ``MixtureLoader.batch_at(s - 1)``; this rank holds rows
-  ``[r*B/R, (r+1)*B/R)``, split into ``accumulation_steps`` micro-batches;
+  ``[r*B/R, (r+1)*B/R)``, split into ``accumulation_steps`` micro-batches; with
+  ``torch.context_parallel = C`` the C consecutive ranks of a context group share one such slice
+  (``r`` and ``R`` count data-parallel ranks: ``rank // C`` of ``world / C``) and each keeps its
+  columns of it (``context_parallel.py``);
 - the loss is normalised by the number of valid labels (!= -100) in the whole global batch
   (all-reduced before the first micro-step), not averaged per rank or micro-batch:
   ``ce = sum CE / n``, ``z = sum logsumexp(logits)^2 / n``, ``loss = ce + spec.z_loss_weight * z``,
@@ -77,7 +80,9 @@ from .parallelize import (
     autocast_context,
     build_expert_mesh,
     build_mesh,
+    check_context_sequence,
     check_parallel,
+    context_of,
     gradient_sync,
     init_distributed,
     parallelize,
@@ -203,6 +208,9 @@ def accumulate_gradients(
     reading nothing back to the host. ``micro_steps``: which of the accumulation micro-steps to
     run (default all; the dry run runs the first two and the last, whose memory the others repeat)."""
     device = d.device
+    context = context_of(model)
+    if context is not None:  # context parallelism: this rank's columns of its rows
+        tensors = {k: context.shard(v) for k, v in tensors.items()}
     # float64 counts and sums: exact token counts for global batches beyond 2^24 tokens.
     count = (tensors["labels"] != IGNORE_INDEX).sum().to(torch.float64)
     n_global = d.all_reduce_sum(count).clamp_min(1.0)
@@ -304,9 +312,11 @@ def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distr
     return d.all_reduce_sum(torch.tensor(float(bad), dtype=torch.float64, device=d.device)).item() == 0
 
 
-def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
+def batch_digest(batch: dict[str, np.ndarray], d: Distributed, context_parallel: int = 1) -> str:
     """sha256 over the per-row hashes of the GLOBAL batch, in row order: the same string for
-    any number of ranks, so resumed and elastic runs can prove they saw the same data."""
+    any number of ranks, so resumed and elastic runs can prove they saw the same data. Under
+    context parallelism the ``context_parallel`` consecutive ranks of a group hold the same rows,
+    which count once."""
     rows = np.stack(
         [
             np.frombuffer(hashlib.sha256(ids.tobytes() + lab.tobytes()).digest(), dtype=np.uint8)
@@ -317,7 +327,7 @@ def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
     if d.initialized and d.world_size > 1:
         parts = [torch.empty_like(local) for _ in range(d.world_size)]
         dist.all_gather(parts, local)
-        local = torch.cat(parts)
+        local = torch.cat(parts[::context_parallel])
     return hashlib.sha256(local.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
@@ -327,22 +337,27 @@ def batch_digest(batch: dict[str, np.ndarray], d: Distributed) -> str:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: MixtureLoader, d: Distributed, recipe: Recipe) -> dict[str, dict[str, float]]:
     """Token-weighted CE over each held-out source's fixed evaluation set. A batch whose rows
-    divide over the ranks is split; otherwise every rank runs it whole (sharded weights need
-    every rank in each forward) and only rank 0's sums count."""
+    divide over the (data-parallel) ranks is split; otherwise every rank runs it whole (sharded
+    weights need every rank in each forward) and only rank 0's sums count (under context
+    parallelism: its context group's, each rank its own columns)."""
     out = {}
+    context = context_of(model)
+    dp_rank, dp_size = (context.dp_rank, context.dp_size) if context is not None else (d.rank, d.world_size)
     for name in loader.mixture.held_out_sources:
         sums = torch.zeros(2, dtype=torch.float64, device=d.device)
         for batch in loader.eval_batches(name, recipe.eval.batch_size):
             rows = batch["input_ids"].shape[0]
-            if rows % d.world_size == 0:
-                per = rows // d.world_size
-                part, counts = slice(d.rank * per, (d.rank + 1) * per), True
+            if rows % dp_size == 0:
+                per = rows // dp_size
+                part, counts = slice(dp_rank * per, (dp_rank + 1) * per), True
             else:
-                part, counts = slice(0, rows), d.is_main
+                part, counts = slice(0, rows), dp_rank == 0
             t = {
                 k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long)
                 for k in ("input_ids", "labels", "doc_ids")
             }
+            if context is not None:
+                t = {k: context.shard(v) for k, v in t.items()}
             with autocast_context(model, recipe.train.precision, d.device):
                 head_sums = model(
                     t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None, labels=t["labels"]
@@ -448,14 +463,17 @@ def train(recipe: Recipe) -> Path:
     rank, world_size, _ = process_layout()
     if rank == 0:
         print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
+    # Context parallelism: C consecutive ranks share one data-parallel rank's rows.
+    cp = recipe.torch.context_parallel
     plan = plan_run(
         recipe,
         FRAMEWORK,
-        dp_size=world_size,
-        loader_rank=rank,
-        loader_size=world_size,
+        dp_size=max(world_size // cp, 1),
+        loader_rank=rank // cp,
+        loader_size=max(world_size // cp, 1),
         check_spec=lambda spec: check_parallel(recipe.torch, world_size, spec),
     )
+    check_context_sequence(recipe.torch, plan.sequence_length)
     if announce_finished(plan, rank == 0):
         return plan.run_dir
     d = init_distributed(recipe.torch.backend)
@@ -468,6 +486,7 @@ def train(recipe: Recipe) -> Path:
         f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
         + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")  # type: ignore[arg-type]
         + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else "")  # type: ignore[arg-type]
+        + (f", context parallel {cp} (data-parallel {d.world_size // cp})" if cp > 1 else "")
     )
     return run(
         plan,
@@ -534,7 +553,8 @@ class TorchTrainModule:
             guard=guard,
             step=step,
         )
-        extra: dict[str, Any] = {"batch_digest": batch_digest(batch, d), **(stats.moe or {})}
+        digest = batch_digest(batch, d, plan.recipe.torch.context_parallel)
+        extra: dict[str, Any] = {"batch_digest": digest, **(stats.moe or {})}
         if self.cuda:
             extra["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
         return StepResult(stats.loss, stats.ce_loss, stats.z_loss, stats.grad_norm, stats.skipped, extra)
