@@ -4,7 +4,8 @@
 
 SRC and DST are ``hf:DIR``, ``olmo-core:PATH`` (.pt file or DCP dir), ``torch:DIR`` or
 ``jax:DIR`` (formats in tools/README.md); a ``torch:``/``jax:`` source may also be a trainer
-checkpoint, ``RUN/checkpoints/latest`` or a run dir. ``torch-run:RUN_OR_CHECKPOINT`` and
+checkpoint, ``RUN/checkpoints/latest`` or a run dir, local or on ``gs://`` / ``s3://``
+(olmo_tools.remote; destinations are local). ``torch-run:RUN_OR_CHECKPOINT`` and
 ``jax-run:DIR`` on both sides convert a whole training state between the trainers
 (olmo_tools.train_state); as a source for weights alone they read as ``torch:``/``jax:``. For example:
 
@@ -30,6 +31,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from olmo_data import DataError
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.presets import SpecError
 
@@ -62,8 +64,11 @@ def convert(
     Returns the spec of the converted model (an hf: export's: with its special-token ids); raises
     CheckpointError on any bad input. ``torch-run:``/``jax-run:`` on both sides convert a whole
     training state (train_state.py); as a source of weights alone they read as torch:/jax:."""
+    from .remote import fetch_source, refuse_remote_destination
     from .train_state import RUN_KINDS, convert_training_state, is_run_location
 
+    refuse_remote_destination(dst)
+    src = fetch_source(src)
     if is_run_location(dst):
         if not is_run_location(src):
             raise CheckpointError(
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
             tokenizer=args.tokenizer,
         )
-    except (CheckpointError, SpecError) as err:
+    except (CheckpointError, SpecError, DataError) as err:  # DataError: fileio's StorageError
         print(f"olmo-convert: error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2
     dst = Path(args.dst.partition(":")[2])

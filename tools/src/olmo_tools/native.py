@@ -85,13 +85,15 @@ def trainer_checkpoint(path: Path, kind: str) -> tuple[Path, dict] | None:
             f"or {RUN_CHECKPOINTS}/ (a run dir); {fix}"
         )
     try:
-        _, ckpt = resolve_checkpoint(path)
+        _, found = resolve_checkpoint(path)
     except CheckpointDamagedError as err:
         raise CheckpointError(
             f"{err}; convert an intact checkpoint (an older step of that run) or restore it from a copy"
         ) from None
     except TrainingStateError as err:
         raise CheckpointError(str(err)) from None
+    assert isinstance(found, Path)  # a local name resolves locally (olmo_tools.remote downloads URLs first)
+    ckpt = found
     meta = verified_trainer_meta(ckpt)
     if meta["framework"] != kind:
         raise CheckpointError(

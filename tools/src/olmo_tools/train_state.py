@@ -85,9 +85,11 @@ def read_training_state(text: str) -> TrainingState:
     loc = parse_location(text, RUN_KINDS)
     framework = _framework(loc)
     try:
-        step, ckpt = resolve_checkpoint(loc.path)
+        step, found = resolve_checkpoint(loc.path)
     except TrainingStateError as err:
         raise CheckpointError(str(err)) from None
+    assert isinstance(found, Path)  # a local name resolves locally (olmo_tools.remote downloads URLs first)
+    ckpt = found
     meta = verified_trainer_meta(ckpt)
     if meta.get("framework") != framework:
         raise CheckpointError(

@@ -88,6 +88,8 @@ __all__ = [
     "put_file",
     "delete",
     "makedirs",
+    "filesystem",
+    "storage_error",
 ]
 
 REMOTE_SCHEMES = ("gs", "s3")
@@ -802,3 +804,30 @@ def makedirs(path: str | os.PathLike) -> None:
     if not is_remote(path):
         with _errors(path, "write"):
             os.makedirs(path, exist_ok=True)
+
+
+# ---- for code that drives fsspec itself (torch DCP's fsspec writer, Orbax) --------------------
+
+
+def filesystem(url: str | os.PathLike) -> tuple[Any, str]:
+    """(fsspec filesystem, "bucket/key") for a gs:// or s3:// URL: the same client, endpoint and
+    credentials as every other call here (with ``STORAGE_EMULATOR_HOST`` the plain anonymous
+    GCS client), for a library that takes an fsspec filesystem."""
+    url = normalize(url)
+    if not is_remote(url):
+        raise StorageError(f"filesystem({url}): not a gs:// or s3:// URL")
+    scheme, key = _split(url)
+    return _filesystem(scheme), key
+
+
+def storage_error(exc: BaseException, path: str | os.PathLike, op: str) -> StorageError | None:
+    """The one-line StorageError for an exception a storage library raised while it worked on
+    `path` (``op``: read, write, list, delete, stat), or None if it is no storage failure. For
+    errors from code that calls the clients itself (a checkpoint library) and may wrap them."""
+    path = normalize(path)
+    fs = _filesystem(_split(path)[0]) if is_remote(path) else None
+    for cause in _chain(exc):
+        err = _translate(cause, path, op, fs)
+        if err is not None:
+            return err
+    return None

@@ -16,6 +16,10 @@ file checksums in its meta.json (``runlog.verify_checkpoint``). It must have the
 (names and shapes) as the recipe's model; spec fields that change no parameter (RoPE/YaRN, context
 length, window) may differ, which is how stage 3 adds YaRN. A checkpoint of the other
 framework is refused with the olmo-convert command that turns it into one of this framework.
+
+A checkpoint, ``RUN/checkpoints/latest`` or a run dir may be a ``gs://`` / ``s3://`` URL
+(``storage.URLPath``); the trainers' checkpointers read it from the bucket. An ``hf:`` folder
+is local (download it first).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .presets import SpecError
 from .recipe import Recipe, RecipeError
 from .runlog import CheckpointDamagedError, TrainingStateError, complete_checkpoints, read_meta, read_verified_meta
 from .spec import ModelSpec
+from .storage import RunPath, URLPath, backend, run_path
 
 HF_PREFIX = "hf:"
 LATEST = "latest"
@@ -38,7 +43,7 @@ LATEST = "latest"
 class InitSource:
     """A resolved ``recipe.init``: what to load, checked to fit the recipe's model."""
 
-    path: Path  # the checkpoint dir, or the HF folder
+    path: RunPath  # the checkpoint dir (local or a URL), or the local HF folder
     framework: str | None  # "torch" / "jax" for our checkpoints; None for an HF folder
     step: int | None  # the checkpoint's step (None for HF)
     load_optimizer: bool
@@ -50,6 +55,7 @@ class InitSource:
 
     def safetensors_files(self) -> list[Path]:
         """An HF folder's ``*.safetensors`` files in name order (the shards of one model)."""
+        assert isinstance(self.path, Path), "an HF folder is local"
         return sorted(self.path.glob("*.safetensors"))
 
     def describe(self) -> str:
@@ -61,20 +67,21 @@ class InitSource:
         return f"initialised from {where}, {what}{note}"
 
 
-def resolve_checkpoint(path: Path) -> tuple[int, Path]:
+def resolve_checkpoint(path: RunPath) -> tuple[int, RunPath]:
     """(step, dir) of a complete checkpoint named by its dir, by ``RUN/checkpoints/latest`` or
-    by a run dir (its latest complete checkpoint)."""
+    by a run dir (its latest complete checkpoint); local or a URL."""
+    fs = backend(path)
     if path.name == LATEST:
         run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return _latest(run, str(path))
-    if (path / "meta.json").is_file():
+    if fs.isfile(str(path / "meta.json")):
         meta = read_meta(path)
         return int(meta["step"]), path
-    if path.name.startswith("step_") and path.is_dir():
+    if path.name.startswith("step_") and fs.isdir(str(path)):
         raise TrainingStateError(
             f"{path}: no meta.json, so the save never finished; use an earlier complete checkpoint"
         )
-    if (path / "checkpoints").is_dir():
+    if fs.isdir(str(path / "checkpoints")):
         return _latest(path, str(path))
     raise TrainingStateError(
         f"{path}: neither a checkpoint (no meta.json) nor a run dir (no checkpoints/); "
@@ -82,7 +89,7 @@ def resolve_checkpoint(path: Path) -> tuple[int, Path]:
     )
 
 
-def _latest(run: Path, named: str) -> tuple[int, Path]:
+def _latest(run: RunPath, named: str) -> tuple[int, RunPath]:
     done = complete_checkpoints(run)
     if not done:
         raise TrainingStateError(f"{named}: {run} has no complete checkpoint yet; run that stage first")
@@ -137,12 +144,17 @@ def resolve_init(recipe: Recipe, spec: ModelSpec, framework: str) -> InitSource 
             raise RecipeError(
                 f"init.checkpoint={source}: an HF folder holds no optimizer state; set init.load_optimizer=false"
             )
+        if isinstance(run_path(source.removeprefix(HF_PREFIX)), URLPath):
+            raise RecipeError(
+                f"init.checkpoint={source}: an hf: folder must be local; download it first (e.g. gcloud storage cp -r "
+                "/ aws s3 cp --recursive) and name the local folder"
+            )
         folder = Path(source.removeprefix(HF_PREFIX))
         theirs = _hf_spec(folder, source)
         changed = weights_fit(theirs, spec, f"init.checkpoint={source}") if theirs is not None else ()
         return InitSource(folder, None, None, False, changed)
     try:
-        step, ckpt = resolve_checkpoint(Path(source))
+        step, ckpt = resolve_checkpoint(run_path(source))
         meta = read_verified_meta(ckpt)
     except CheckpointDamagedError as err:
         raise CheckpointDamagedError(

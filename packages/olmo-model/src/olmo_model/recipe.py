@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .presets import SpecError, load_spec, spec_from_dict
 from .schedules import CosineSchedule, Schedule
 from .spec import ModelSpec
+from .storage import RunPath, run_path
 
 
 class RecipeError(ValueError):
@@ -212,8 +213,14 @@ class Recipe(_Section):
         assert self.train.tokens is not None
         return -(-self.train.tokens // self.train.global_batch_tokens)
 
-    def resolved_run_dir(self) -> Path:
-        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+    def resolved_run_dir(self) -> RunPath:
+        """The run dir: a local Path, or a `storage.URLPath` for gs:// and s3:// (contract 8)."""
+        if not self.run_dir:
+            return Path("runs") / self.name
+        try:
+            return run_path(self.run_dir)
+        except ValueError as err:
+            raise RecipeError(f"run_dir={self.run_dir}: {err}") from None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

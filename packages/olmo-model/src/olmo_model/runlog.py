@@ -10,16 +10,23 @@ Run dir layout (the same for both trainers, so one tool reads both)::
     RUN/checkpoints/step_00000010/   a checkpoint (framework format inside); complete once its
                                      meta.json exists, which lists every other file's size and sha256
     RUN/loss.png           loss curve (train and held-out)
+
+RUN may be a local folder or a ``gs://`` / ``s3://`` URL (``olmo_model.storage``: a `URLPath`,
+served by the backend olmo_run registers). Every function here takes either. On object storage,
+where nothing can be appended or renamed, checkpoints are written straight to the bucket and
+committed by meta.json, one object written after all the others; the small files process 0
+keeps growing (metrics.jsonl, loss.png) are written to a local copy
+(``storage.local_copy``: $OLMO_CACHE/run-dirs/SCHEME/BUCKET/KEY) and uploaded whole by
+``MetricsLog.flush`` (at every checkpoint, every ``METRICS_UPLOAD_S`` seconds and at the end)
+and ``plot_loss``; a run resumed on a fresh host first refreshes that copy from the bucket.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import re
-import shutil
 import sys
 import time
 from collections import deque
@@ -34,6 +41,7 @@ from pydantic import TypeAdapter, ValidationError
 from .recipe import MoESection, OptimSection, Recipe, TrainSection
 from .schedules import Schedule
 from .spec import ModelSpec
+from .storage import RunPath, URLPath, backend, local_copy, run_path
 
 # Keys of a "train" metrics line; both trainers write exactly these (plus optional extras).
 TRAIN_KEYS = (
@@ -78,10 +86,27 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_atomic(path: RunPath, text: str) -> None:
+    """All of ``text`` under ``path`` or what was there before: locally a temp file renamed into
+    place, on object storage one PUT (an object is published only once complete)."""
+    backend(path).write_text(str(path), text)
+
+
+def _exists(path: RunPath) -> bool:
+    return backend(path).exists(str(path))
+
+
+def _read_text(path: RunPath) -> str:
+    return backend(path).read_bytes(str(path)).decode()
+
+
+def _write_run_file(run_dir: RunPath, name: str, text: str) -> None:
+    """A small file of the run dir; for a URL run dir also into its local copy."""
+    write_atomic(run_dir / name, text)
+    if isinstance(run_dir, URLPath):
+        local = local_copy(run_dir)
+        local.mkdir(parents=True, exist_ok=True)
+        write_atomic(local / name, text)
 
 
 RECIPE_HISTORY_FILE = "recipe_history.jsonl"
@@ -102,7 +127,7 @@ def recipe_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[A
     return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
-def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resumed_at: int | None = None) -> Path:
+def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resumed_at: int | None = None) -> RunPath:
     """Create the run dir and write the resolved recipe and spec (main process only).
 
     A fresh run writes ``recipe.yaml``. A resumed run (``resumed_at``: the checkpoint's step)
@@ -111,31 +136,34 @@ def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resum
     through) are printed and appended with the step to ``recipe_history.jsonl``."""
     run_dir = recipe.resolved_run_dir()
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        backend(run_dir).makedirs(str(run_dir))
         recorded = run_dir / "recipe.yaml"
         current = recipe.model_dump(mode="json")
-        if resumed_at is not None and recorded.exists():
+        if resumed_at is not None and _exists(recorded):
             history = _read_history(run_dir)
-            effective = yaml.safe_load(history[-1]["recipe"]) if history else yaml.safe_load(recorded.read_text())
+            effective = yaml.safe_load(history[-1]["recipe"]) if history else yaml.safe_load(_read_text(recorded))
             changes = recipe_changes(effective or {}, current)
             if changes:
                 for key, (old, new) in changes.items():
                     print(f"recipe change at step {resumed_at}: {key}: {old!r} -> {new!r}", flush=True)
                 record = {"step": resumed_at, "changes": changes, "recipe": recipe.to_yaml()}
                 lines = [json.dumps(r) for r in [*history, record]]
-                write_atomic(run_dir / RECIPE_HISTORY_FILE, "\n".join(lines) + "\n")  # whole, never half a line
+                # whole, never half a line
+                _write_run_file(run_dir, RECIPE_HISTORY_FILE, "\n".join(lines) + "\n")
         else:  # a fresh start: its recipe, and no history of an earlier run's resumes
-            write_atomic(recorded, recipe.to_yaml())
-            (run_dir / RECIPE_HISTORY_FILE).unlink(missing_ok=True)
-        write_atomic(run_dir / "spec.json", spec.model_dump_json(indent=2))
+            _write_run_file(run_dir, "recipe.yaml", recipe.to_yaml())
+            backend(run_dir).delete(str(run_dir / RECIPE_HISTORY_FILE))
+            if isinstance(run_dir, URLPath):
+                (local_copy(run_dir) / RECIPE_HISTORY_FILE).unlink(missing_ok=True)
+        _write_run_file(run_dir, "spec.json", spec.model_dump_json(indent=2))
     return run_dir
 
 
-def _read_history(run_dir: Path) -> list[dict[str, Any]]:
+def _read_history(run_dir: RunPath) -> list[dict[str, Any]]:
     path = run_dir / RECIPE_HISTORY_FILE
-    if not path.exists():
+    if not _exists(path):
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
 
 
 # ---- checkpoints: metadata shared by both trainers -----------------------------------------
@@ -173,30 +201,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
+def checkpoint_dir(run_dir: RunPath, step: int) -> RunPath:
     return run_dir / "checkpoints" / f"step_{step:08d}"
 
 
-def _step_of(path: Path) -> int | None:
+def _step_of(path: RunPath) -> int | None:
     try:
         return int(path.name.removeprefix("step_")) if path.name.startswith("step_") else None
     except ValueError:
         return None
 
 
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+def complete_checkpoints(run_dir: RunPath) -> list[tuple[int, RunPath]]:
     """(step, path) of every complete checkpoint, oldest first. A checkpoint is complete when its
-    ``meta.json`` exists: both trainers write it last, after the framework's own save finished,
-    so an interrupted save never counts."""
+    ``meta.json`` exists: both trainers write it last, after the framework's own save finished
+    (on object storage: after every other object of it was uploaded), so an interrupted save
+    never counts."""
     root = run_dir / "checkpoints"
-    if not root.exists():
-        return []
-    out = []
-    for p in root.iterdir():
+    fs = backend(root)
+    out: list[tuple[int, RunPath]] = []
+    for name in fs.listdir(str(root)):
+        p = root / name
         step = _step_of(p)
-        if step is not None and (p / META_FILE).exists():
+        if step is not None and fs.exists(str(p / META_FILE)):
             out.append((step, p))
-    return sorted(out)
+    return sorted(out, key=lambda sp: sp[0])
 
 
 def training_meta(
@@ -213,10 +242,10 @@ def training_meta(
     }
 
 
-def read_meta(ckpt: Path) -> dict[str, Any]:
+def read_meta(ckpt: RunPath) -> dict[str, Any]:
     path = ckpt / META_FILE
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(_read_text(path))
     except FileNotFoundError:
         raise TrainingStateError(f"{ckpt}: no meta.json; this is not a complete checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -227,32 +256,38 @@ def read_meta(ckpt: Path) -> dict[str, Any]:
     return meta
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()  # reads in chunks: bounded memory
+def _sha256(path: RunPath) -> str:
+    return backend(path).sha256(str(path))
 
 
-def _sha256_all(paths: list[Path]) -> list[str]:
-    """The sha256 of each file, several files at once (hashlib releases the GIL while it hashes)."""
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
+def _sha256_all(paths: list[RunPath]) -> list[str]:
+    """The sha256 of each file, several files at once (hashlib releases the GIL while it hashes;
+    on object storage the downloads overlap). A remote file is streamed, never held whole."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, (os.cpu_count() or 1) * 2, len(paths)))) as pool:
         return list(pool.map(_sha256, paths))
 
 
-def checkpoint_files(ckpt: Path) -> dict[str, dict[str, Any]]:
+def _files_below(folder: RunPath) -> list[str]:
+    """Every file below ``folder``, as paths relative to it (posix separators), sorted."""
+    found = backend(folder).find(str(folder))
+    if isinstance(folder, URLPath):
+        return sorted(URLPath(f).relative(folder) for f in found)
+    return sorted(Path(f).relative_to(folder).as_posix() for f in found)
+
+
+def checkpoint_files(ckpt: RunPath) -> dict[str, dict[str, Any]]:
     """{path relative to ckpt: {"bytes", "sha256"}} of every file in the checkpoint except
-    meta.json, which records them, and its write_atomic temporaries."""
-    paths = sorted(
-        p
-        for p in ckpt.rglob("*")
-        if p.is_file() and not (p.parent == ckpt and (p.name == META_FILE or p.name.startswith(f".{META_FILE}.tmp-")))
-    )
+    meta.json, which records them, and its write_atomic temporaries. On object storage this
+    reads the checkpoint back once: what is recorded is what the bucket holds."""
+    rels = [r for r in _files_below(ckpt) if not (r == META_FILE or r.startswith(f".{META_FILE}.tmp-"))]
+    fs = backend(ckpt)
+    paths = [ckpt / r for r in rels]
     return {
-        p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": digest}
-        for p, digest in zip(paths, _sha256_all(paths))
+        rel: {"bytes": fs.size(str(p)), "sha256": digest} for rel, p, digest in zip(rels, paths, _sha256_all(paths))
     }
 
 
-def verify_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
+def verify_checkpoint(ckpt: RunPath, meta: dict[str, Any]) -> None:
     """Every file meta.json lists is there with its recorded size and sha256, else a one-line
     CheckpointDamagedError naming the first that is not (sizes first: a missing or cut file is
     found before anything is read). A checkpoint of UNCHECKED_FORMAT passes with a loud
@@ -268,13 +303,12 @@ def verify_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
         raise CheckpointDamagedError(
             f"{ckpt / META_FILE}: format {meta.get('format')!r} but no valid 'files' list; the checkpoint is damaged"
         ) from None
+    fs = backend(ckpt)
     for path, size, _ in listed:
-        if not path.is_file():
+        if not fs.isfile(str(path)):
             raise CheckpointDamagedError(f"{path}: missing ({size} bytes when committed); the checkpoint is damaged")
-        if path.stat().st_size != size:
-            raise CheckpointDamagedError(
-                f"{path}: {path.stat().st_size} bytes, {size} when committed; the checkpoint is damaged"
-            )
+        if (got_size := fs.size(str(path))) != size:
+            raise CheckpointDamagedError(f"{path}: {got_size} bytes, {size} when committed; the checkpoint is damaged")
     for (path, _, want), got in zip(listed, _sha256_all([p for p, _, _ in listed])):
         if got != want:
             raise CheckpointDamagedError(
@@ -282,14 +316,14 @@ def verify_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
             )
 
 
-def read_verified_meta(ckpt: Path) -> dict[str, Any]:
+def read_verified_meta(ckpt: RunPath) -> dict[str, Any]:
     """read_meta, then verify_checkpoint: the meta.json of a checkpoint whose files are intact."""
     meta = read_meta(ckpt)
     verify_checkpoint(ckpt, meta)
     return meta
 
 
-def check_meta_fits(meta: dict[str, Any], ckpt: Path, spec: ModelSpec, framework: str | None = None) -> None:
+def check_meta_fits(meta: dict[str, Any], ckpt: RunPath, spec: ModelSpec, framework: str | None = None) -> None:
     """Refuse a checkpoint of another framework or spec, naming the first differing field."""
     if framework is not None and meta.get("framework") != framework:
         raise TrainingStateError(
@@ -382,7 +416,7 @@ def _maths_changes(
 
 
 def check_recipe_continues(
-    meta: dict[str, Any], ckpt: Path, recipe: Recipe, spec: ModelSpec, sequence_length: int, step: int
+    meta: dict[str, Any], ckpt: RunPath, recipe: Recipe, spec: ModelSpec, sequence_length: int, step: int
 ) -> None:
     """Refuse a resume whose recipe changes the maths of the run so far (precision, optimizer,
     schedule, batch, sequence length, the total steps where the schedule depends on it), naming
@@ -402,21 +436,23 @@ def check_recipe_continues(
         )
 
 
-def commit_checkpoint(ckpt: Path, meta: dict[str, Any]) -> None:
+def commit_checkpoint(ckpt: RunPath, meta: dict[str, Any]) -> None:
     """Mark a checkpoint complete once the framework's save has finished: meta.json, which adds
     the size and sha256 of every other file of the checkpoint ("files"), is written last and
-    atomically."""
+    atomically (on object storage: one PUT after every other object was uploaded; a failed
+    PUT leaves no meta.json, so the previous checkpoint stays the latest)."""
     write_atomic(ckpt / META_FILE, json.dumps({**meta, "files": checkpoint_files(ckpt)}, indent=2))
 
 
-def _remove_checkpoint(path: Path) -> None:
+def _remove_checkpoint(path: RunPath) -> None:
     # meta.json first: a removal cut short leaves an incomplete checkpoint, never a complete
-    # one with files missing.
-    (path / META_FILE).unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
+    # one with files missing. On object storage the rest goes object by object.
+    fs = backend(path)
+    fs.delete(str(path / META_FILE))
+    fs.delete(str(path), recursive=True)
 
 
-def prune_checkpoints(run_dir: Path, keep: int, committed: int | None = None) -> None:
+def prune_checkpoints(run_dir: RunPath, keep: int, committed: int | None = None) -> None:
     """Delete all but the newest ``keep`` complete checkpoints. With ``committed``, the step just
     committed, first delete the complete checkpoints newer than it: a resume that fell back past
     a damaged checkpoint (checkpoint.fallback) left them, and the next resume would take them."""
@@ -429,40 +465,45 @@ def prune_checkpoints(run_dir: Path, keep: int, committed: int | None = None) ->
         _remove_checkpoint(path)
 
 
-def clean_orphans(run_dir: Path) -> None:
+def clean_orphans(run_dir: RunPath) -> None:
     """Remove what interrupted saves, prunes and writes left in a run dir, printing each: step_*
     dirs without meta.json older than the newest complete checkpoint (a newer one is a save the
     run replaces when it gets there), and write_atomic temporaries (.NAME.tmp-PID) and
     olmo-convert staging dirs (checkpoints/.convert-PID) of processes no longer alive. Called
-    by the main process at start-up, after every check passed (one run owns its run dir)."""
+    by the main process at start-up, after every check passed (one run owns its run dir).
+    On object storage only the step_* objects are cleaned: uploads leave no temporaries, and a
+    PID names no process of another host."""
     done = complete_checkpoints(run_dir)
     newest = done[-1][0] if done else None
-    stale: list[tuple[Path, str]] = []
+    stale: list[tuple[RunPath, str, bool]] = []  # (path, why, is a folder)
     root = run_dir / "checkpoints"
-    for p in sorted(root.iterdir()) if root.is_dir() else ():
-        step, staging = _step_of(p), _CONVERT_STAGING.fullmatch(p.name)
-        if staging and not pid_alive(int(staging[1])):
-            stale.append((p, "staging dir of an olmo-convert that is gone"))
-        elif step is not None and newest is not None and step < newest and not (p / META_FILE).exists():
-            stale.append((p, f"no meta.json (an interrupted save or prune), older than step {newest}"))
-    for folder in (run_dir, *(p for _, p in done)):
-        for p in sorted(folder.iterdir()) if folder.is_dir() else ():
-            temp = _ATOMIC_TEMP.fullmatch(p.name)
-            if temp and p.is_file() and not pid_alive(int(temp[1])):
-                stale.append((p, "temporary file of a write that never finished"))
-    for p, why in stale:
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            p.unlink(missing_ok=True)
+    fs = backend(run_dir)
+    local = not isinstance(run_dir, URLPath)
+    for name in fs.listdir(str(root)):
+        p = root / name
+        step, staging = _step_of(p), _CONVERT_STAGING.fullmatch(name)
+        if local and staging and not pid_alive(int(staging[1])):
+            stale.append((p, "staging dir of an olmo-convert that is gone", True))
+        elif step is not None and newest is not None and step < newest and not fs.exists(str(p / META_FILE)):
+            stale.append((p, f"no meta.json (an interrupted save or prune), older than step {newest}", True))
+    for folder in (run_dir, *(p for _, p in done)) if local else ():
+        for name in fs.listdir(str(folder)):
+            p = folder / name
+            temp = _ATOMIC_TEMP.fullmatch(name)
+            if temp and fs.isfile(str(p)) and not pid_alive(int(temp[1])):
+                stale.append((p, "temporary file of a write that never finished", False))
+    for p, why, is_folder in stale:
+        fs.delete(str(p), recursive=is_folder)
         print(f"removed {p}: {why}", flush=True)
 
 
-def _newest_verified(run_dir: Path, done: list[tuple[int, Path]], fallback: bool) -> tuple[int, Path, dict[str, Any]]:
+def _newest_verified(
+    run_dir: RunPath, done: list[tuple[int, RunPath]], fallback: bool
+) -> tuple[int, RunPath, dict[str, Any]]:
     """(step, ckpt, meta) of the newest checkpoint that reads and verifies. A damaged newer one
     is an error naming the one a fallback would take, unless ``fallback``: then it is skipped
     loudly (and deleted once the resumed run commits its first checkpoint)."""
-    damaged: list[tuple[Path, CheckpointDamagedError]] = []
+    damaged: list[tuple[RunPath, CheckpointDamagedError]] = []
     for step, ckpt in reversed(done):
         try:
             meta = read_verified_meta(ckpt)
@@ -486,7 +527,7 @@ def _newest_verified(run_dir: Path, done: list[tuple[int, Path]], fallback: bool
     )
 
 
-def find_resume(run_dir: Path, recipe: Recipe, spec: ModelSpec, framework: str, loader: Any, total_steps: int):
+def find_resume(run_dir: RunPath, recipe: Recipe, spec: ModelSpec, framework: str, loader: Any, total_steps: int):
     """The latest complete checkpoint to resume from, verified against the checksums in its
     meta.json and checked against this run before anything is written: (step, ckpt, meta), or
     None for a fresh run. ``loader`` is the run's MixtureLoader; its state is restored here (a
@@ -644,7 +685,7 @@ class SpikeGuard:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
 
 
-def refuse_non_finite_state(step: int, run_dir: Path) -> None:
+def refuse_non_finite_state(step: int, run_dir: RunPath) -> None:
     """Stop instead of checkpointing a state whose parameters or moments are not finite."""
     done = complete_checkpoints(run_dir)
     newest = f"the newest checkpoint is step {done[-1][0]}" if done else "no checkpoint was written before"
@@ -657,30 +698,60 @@ def refuse_non_finite_state(step: int, run_dir: Path) -> None:
 # ---- metrics --------------------------------------------------------------------------------
 
 
+# Seconds between uploads of a remote run dir's metrics.jsonl while steps are logged (besides
+# the upload at every checkpoint and at the end): what a dashboard reading the bucket lags by.
+METRICS_UPLOAD_S = 60.0
+
+
 class MetricsLog:
     """Appends JSON lines to RUN/metrics.jsonl. On resume, lines past the resumed step are
-    dropped first, so a re-trained step is not logged twice."""
+    dropped first, so a re-trained step is not logged twice.
 
-    def __init__(self, run_dir: Path, resume_step: int = 0, enabled: bool = True):
-        self.path = run_dir / "metrics.jsonl"
+    For a URL run dir the lines are appended to the local copy (``storage.local_copy``) and
+    ``flush`` uploads the whole file as one object (object storage has no append); it runs at
+    every checkpoint (the driver calls it), at most ``METRICS_UPLOAD_S`` apart while logging,
+    and at the end. On start the local copy is first replaced by the bucket's file, so a run
+    resumed on another host continues the same log."""
+
+    def __init__(self, run_dir: RunPath, resume_step: int = 0, enabled: bool = True):
+        self.remote = run_dir / "metrics.jsonl" if isinstance(run_dir, URLPath) else None
+        self.path = local_copy(run_dir) / "metrics.jsonl"
         self.enabled = enabled
         self.started = time.time()
-        if enabled and self.path.exists():
+        self._uploaded = time.monotonic()
+        if not enabled:
+            return
+        if self.remote is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if _exists(self.remote):
+                write_atomic(self.path, _read_text(self.remote))
+            else:
+                self.path.unlink(missing_ok=True)  # a stale copy of an earlier run under this URL
+        if self.path.exists():
             kept = [line for line, record in _metric_lines(self.path) if record.get("step", 0) <= resume_step]
             write_atomic(self.path, "".join(line + "\n" for line in kept))
+            self.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.remote is not None and time.monotonic() - self._uploaded >= METRICS_UPLOAD_S:
+            self.flush()
+
+    def flush(self) -> None:
+        """Upload the local copy to a URL run dir (nothing to do for a local one)."""
+        if self.enabled and self.remote is not None and self.path.exists():
+            backend(self.remote).upload(str(self.path), str(self.remote))
+            self._uploaded = time.monotonic()
 
 
-def _metric_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+def _metric_lines(path: RunPath) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of every record. A last line with no newline after it that is not JSON
     is an append cut short (disk full, a kill mid-write) and is left out; anywhere else, a
     line that is not JSON means the file was damaged, which is an error."""
-    lines = path.read_text().split("\n")
+    lines = _read_text(path).split("\n")
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -696,26 +767,34 @@ def _metric_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    path = path / "metrics.jsonl" if path.is_dir() else path
+def read_metrics(path: RunPath | str) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl, or of RUN/metrics.jsonl given the run dir (local or URL)."""
+    if isinstance(path, str):
+        path = run_path(path)
+    if isinstance(path, URLPath):
+        path = path if path.name.endswith(".jsonl") else path / "metrics.jsonl"
+    elif path.is_dir():
+        path = path / "metrics.jsonl"
     return [record for _, record in _metric_lines(path)]
 
 
-def final_eval_pending(run_dir: Path, step: int, held_out: list[str]) -> bool:
+def final_eval_pending(run_dir: RunPath, step: int, held_out: list[str]) -> bool:
     """Whether a run whose last checkpoint is its final ``step`` still lacks its end: the eval
     line of that step (when it has held-out sources) or the loss plot (a kill between the final
     checkpoint and those leaves them unwritten)."""
     import importlib.util
 
-    if not (run_dir / "loss.png").exists() and importlib.util.find_spec("matplotlib") is not None:
+    if not _exists(run_dir / "loss.png") and importlib.util.find_spec("matplotlib") is not None:
         return True
-    if not held_out or not (run_dir / "metrics.jsonl").exists():
+    if not held_out or not _exists(run_dir / "metrics.jsonl"):
         return bool(held_out)
     return not any(r.get("kind") == "eval" and r.get("step") == step for r in read_metrics(run_dir))
 
 
-def plot_loss(run_dir: Path) -> Path | None:
-    """Write RUN/loss.png with the training loss and held-out losses; None without matplotlib."""
+def plot_loss(run_dir: RunPath) -> Path | None:
+    """Write RUN/loss.png with the training loss and held-out losses; None without matplotlib.
+    For a URL run dir it is drawn from the local copy's metrics, written there and uploaded;
+    the local file is returned."""
     try:
         import matplotlib
 
@@ -723,7 +802,8 @@ def plot_loss(run_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = read_metrics(run_dir)
+    local = local_copy(run_dir)
+    records = read_metrics(local)
     train = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train" and not r.get("skipped")]
     evals: dict[str, list[tuple[int, float]]] = {}
     for r in records:
@@ -741,18 +821,20 @@ def plot_loss(run_dir: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = run_dir / "loss.png"
+    out = local / "loss.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    if isinstance(run_dir, URLPath):
+        backend(run_dir).upload(str(out), str(run_dir / "loss.png"))
     return out
 
 
-def print_summary(run_dir: Path, title: str) -> None:
+def print_summary(run_dir: RunPath, title: str) -> None:
     """A short table at the end of a run: first/last loss, held-out losses, throughput."""
     from rich.console import Console
     from rich.table import Table
 
-    records = read_metrics(run_dir)
+    records = read_metrics(local_copy(run_dir))
     train = [r for r in records if r.get("kind") == "train"]
     evals = [r for r in records if r.get("kind") == "eval"]
     table = Table(title=title)

@@ -51,6 +51,8 @@ from olmo_model.runlog import (
     training_meta,
     write_atomic,
 )
+from olmo_model.storage import RunPath, URLPath, local_copy
+from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
 from olmo_run.sinks import open_sinks
 
 # Process 0's marker in the run dir while the processes check that they share it.
@@ -69,11 +71,11 @@ class RunPlan:
     mixture: Mixture
     layout: BatchLayout
     loader: MixtureLoader
-    resume: tuple[int, Path, dict[str, Any]] | None  # (step, checkpoint dir, meta)
+    resume: tuple[int, RunPath, dict[str, Any]] | None  # (step, checkpoint dir, meta)
     init: InitSource | None  # recipe.init, resolved and checked (None when resuming)
 
     @property
-    def run_dir(self) -> Path:
+    def run_dir(self) -> RunPath:
         return self.recipe.resolved_run_dir()
 
     @property
@@ -111,6 +113,7 @@ def plan_run(
     slice(s) this process reads (several ranks: their rows in that order); ``check_spec`` the
     trainer's own checks of its layout."""
     spec = recipe.model_spec()
+    _run_dir.check_reachable(recipe.resolved_run_dir())
     mixture = open_training_mixture(
         recipe.data.mixture,
         sequence_length=recipe.train.sequence_length,
@@ -194,15 +197,16 @@ class TrainModule(Protocol):
 
 
 def check_shared_run_dir(
-    run_dir: Path, process_index: int, process_count: int, all_gather: Callable[[str], list[str]]
+    run_dir: RunPath, process_index: int, process_count: int, all_gather: Callable[[str], list[str]]
 ) -> None:
     """Refuse (RecipeError, one line, on every process) a run dir that some process does not see
     as process 0 does: each host's own local disk, where the first multi-process checkpoint would
     never commit. Process 0 writes a random token into the run dir, every process must read that
     token back, then the marker goes (and the folders this check created), so the check leaves
     nothing behind. ``all_gather(text)`` returns every process's text in process order, on
-    every process (the trainer's collective). One process has nothing to check."""
-    if process_count == 1:
+    every process (the trainer's collective). One process has nothing to check, nor has a URL
+    run dir (every process reads the same bucket)."""
+    if process_count == 1 or isinstance(run_dir, URLPath):
         return
     marker = run_dir / SHARED_CHECK_FILE
     created: list[Path] = []  # innermost first
@@ -292,7 +296,7 @@ class Run:
         self.tokens_per_step = plan.layout.global_batch * plan.sequence_length
         self.flops_per_token = flops_per_token(plan.spec, plan.sequence_length)
         self.started = time.time()
-        self.sinks = open_sinks(self.recipe, plan.run_dir, enabled=is_main)
+        self.sinks = open_sinks(self.recipe, local_copy(plan.run_dir), enabled=is_main)  # local even for a URL
         self.tracing = False
         if plan.resume is not None:
             step, ckpt, meta = plan.resume
@@ -353,6 +357,7 @@ class Run:
             self.module.framework, step, self.plan.spec, self.recipe, self.plan.loader.state_dict(), extra
         )
         self.module.save(step, meta)
+        self.metrics.flush()  # a URL run dir: the log up to this checkpoint goes with it
 
     def evaluate(self, step: int) -> None:
         if not self.plan.mixture.held_out_sources:
@@ -420,7 +425,7 @@ class Run:
             return
         last = min(p.start_step + p.steps - 1, self.plan.total_steps)
         if step == p.start_step and not self.tracing and step <= last:
-            folder = self.plan.run_dir / "profile" / f"steps_{p.start_step}-{last}"
+            folder = local_copy(self.plan.run_dir) / "profile" / f"steps_{p.start_step}-{last}"
             folder.mkdir(parents=True, exist_ok=True)
             self.module.start_trace(folder)
             self.tracing = True
@@ -431,6 +436,7 @@ class Run:
 
     def finish(self, title: str) -> None:
         if self.is_main:
+            self.metrics.flush()
             print_summary(self.plan.run_dir, title)
             png = plot_loss(self.plan.run_dir)
             if png is not None:
@@ -444,7 +450,7 @@ def run(
     is_main: bool,
     describe: list[str],
     title: str,
-) -> Path:
+) -> RunPath:
     """Write the run dir, build the trainer's module, train to the end; returns the run dir.
     ``describe`` are the trainer's start-up lines (its parallel layout)."""
     console = ProgressConsole(plan.recipe.log.progress, is_main, plan.total_steps, plan.start_step)

@@ -11,12 +11,33 @@ mid-save leaves an incomplete directory that resume ignores (the next save of th
 replaces it; ``runlog.clean_orphans`` removes older ones when the Checkpointer starts).
 Restoring takes abstract arrays that carry the CURRENT mesh's shardings, so a checkpoint
 written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
+
+A run dir on object storage (``olmo_model.storage.URLPath``):
+
+- ``gs://``: Orbax writes and restores the bucket directly (TensorStore's GCS driver for the
+  arrays, etils' gcsfs for the rest; every process writes its own shards). Both read Google's
+  Application Default Credentials. For an emulator named by ``STORAGE_EMULATOR_HOST`` (which
+  TensorStore does not read) ``gcs_emulator_environment`` points TensorStore at it with its
+  own settings, ``TENSORSTORE_GCS_HTTP_URL`` and an anonymous token, unless they are set.
+- ``s3://``: Orbax cannot write S3 directly (orbax-checkpoint 0.12 turns ``s3://bucket`` into
+  the relative path ``s3:/bucket`` before TensorStore sees it), so the save is staged in a
+  local folder (``$OLMO_CACHE/run-dirs/...``, under ``storage.local_copy``) and uploaded
+  through ``olmo_data.fileio`` once Orbax finished, on the commit thread; a restore downloads
+  ``state/`` to a local temp folder first. That needs every shard on one host: a multi-process
+  JAX run refuses an s3:// run dir (use gs:// or a shared file system).
+
+On both, meta.json is uploaded last, after every other object, so the commit rule holds
+without a rename; a storage failure is a one-line ``fileio.StorageError`` and leaves the
+previous checkpoint the latest.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +45,94 @@ import jax
 import orbax.checkpoint as ocp
 
 from olmo_model.runlog import TrainingStateError, checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
+from olmo_model.storage import RunPath, URLPath, backend, local_copy
+from olmo_run.run_dir import storage_error
 
 STATE_DIR = "state"
+# Concurrent uploads / downloads of a staged s3:// checkpoint's files.
+TRANSFER_THREADS = 8
+
+
+def gcs_emulator_environment() -> None:
+    """With ``STORAGE_EMULATOR_HOST`` set, point TensorStore's GCS driver at that emulator
+    (``TENSORSTORE_GCS_HTTP_URL``) with an anonymous token, as google-cloud-storage does for
+    that variable; settings already made are left alone. Called before Orbax touches gs://."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not host:
+        return
+    os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", host if "://" in host else f"http://{host}")
+    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "anonymous")
+
+
+def _orbax_path(ckpt: RunPath) -> Any:
+    """Where Orbax reads and writes a checkpoint's state: an absolute local path, or gs://."""
+    if isinstance(ckpt, URLPath):
+        gcs_emulator_environment()
+        return f"{ckpt}/{STATE_DIR}"
+    return ckpt.resolve() / STATE_DIR
+
+
+def _use_ocdbt(run_dir: RunPath) -> bool:
+    """Orbax's OCDBT layout (a few large files per process; the default), except on a GCS
+    emulator (``STORAGE_EMULATOR_HOST``): OCDBT updates one manifest object with conditional
+    writes, and gcp-storage-emulator answers such concurrent requests on one object without a
+    generation ("Malformed StorageGeneration"); the plain layout writes each chunk once. Restore
+    reads either."""
+    return not (isinstance(run_dir, URLPath) and run_dir.scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"))
+
+
+def _staging(ckpt: URLPath) -> Path:
+    return local_copy(ckpt.parent.parent) / ".staging" / ckpt.name
+
+
+def _upload_tree(local: Path, url: URLPath) -> None:
+    from olmo_data import fileio
+
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    with ThreadPoolExecutor(max_workers=TRANSFER_THREADS) as pool:
+        list(pool.map(lambda p: fileio.put_file(p, str(url / p.relative_to(local).as_posix())), files))
+
+
+def _download_tree(url: URLPath, local: Path) -> None:
+    from olmo_data import fileio
+
+    def get(name: str) -> None:
+        target = local / URLPath(name).relative(url)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with fileio.open_write(target) as out:
+            for block in fileio.iter_blocks(name):
+                out.write(block)
+
+    with ThreadPoolExecutor(max_workers=TRANSFER_THREADS) as pool:
+        list(pool.map(get, fileio.find(str(url))))
+
+
+def _storage_failure(err: BaseException, ckpt: RunPath, op: str) -> BaseException:
+    """A one-line fileio error for a storage failure on a URL checkpoint, else ``err`` itself."""
+    if not isinstance(ckpt, URLPath):
+        return err
+    found = storage_error(err, ckpt, op)
+    if found is None:
+        return err
+    tail = "; the checkpoint has no meta.json, so the previous one stays the latest" if op == "write" else ""
+    return type(found)(f"{'saving' if op == 'write' else 'loading'} checkpoint {ckpt.name}: {found}{tail}")
 
 
 class Checkpointer:
     """Saves training state every few steps; at most one save is in flight at a time."""
 
-    def __init__(self, run_dir: Path, keep: int, async_save: bool):
+    def __init__(self, run_dir: RunPath, keep: int, async_save: bool):
         self.run_dir = run_dir
         self.keep = keep
         self.async_save = async_save
         self.is_main = jax.process_index() == 0
-        self._orbax = ocp.StandardCheckpointer()
+        self.staged = isinstance(run_dir, URLPath) and run_dir.scheme == "s3"
+        if self.staged and jax.process_count() > 1:
+            raise TrainingStateError(
+                f"run_dir={run_dir}: the JAX trainer stages s3:// checkpoints on one host, and this run has "
+                f"{jax.process_count()} processes; use a gs:// run dir or a shared file system"
+            )
+        self._orbax = ocp.StandardCheckpointer(use_ocdbt=_use_ocdbt(run_dir))
         self._commit: threading.Thread | None = None
         self._error: BaseException | None = None
         if self.is_main:
@@ -45,12 +141,24 @@ class Checkpointer:
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         self.wait()
         ckpt = checkpoint_dir(self.run_dir, step)
-        if self.is_main and ckpt.exists():
-            # Only an incomplete save of this step can be here (resume starts after the latest
-            # complete one); Orbax refuses to write into an existing directory.
-            shutil.rmtree(ckpt)
-        state = {"params": params, "opt_state": opt_state, "step": step}
-        self._orbax.save(ckpt.resolve() / STATE_DIR, state)
+        fs = backend(ckpt)
+        try:
+            if self.is_main and fs.exists(str(ckpt)):
+                # Only an incomplete save of this step can be here (resume starts after the latest
+                # complete one); Orbax refuses to write into an existing directory.
+                fs.delete(str(ckpt), recursive=True)
+            state = {"params": params, "opt_state": opt_state, "step": step}
+            if isinstance(ckpt, URLPath) and self.staged:
+                staging = _staging(ckpt)
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.parent.mkdir(parents=True, exist_ok=True)
+                self._orbax.save(staging.resolve() / STATE_DIR, state)
+            else:
+                self._orbax.save(_orbax_path(ckpt), state)
+        except Exception as err:
+            if (failure := _storage_failure(err, ckpt, "write")) is err:
+                raise
+            raise failure from None
         if self.async_save:
             self._commit = threading.Thread(target=self._finish, args=(step, ckpt, meta), daemon=True)
             self._commit.start()
@@ -58,14 +166,18 @@ class Checkpointer:
             self._finish(step, ckpt, meta)
             self._raise_pending()
 
-    def _finish(self, step: int, ckpt: Path, meta: dict[str, Any]) -> None:
+    def _finish(self, step: int, ckpt: RunPath, meta: dict[str, Any]) -> None:
         try:
             self._orbax.wait_until_finished()
+            if isinstance(ckpt, URLPath) and self.staged:
+                staging = _staging(ckpt)
+                _upload_tree(staging / STATE_DIR, ckpt / STATE_DIR)
+                shutil.rmtree(staging, ignore_errors=True)
             if self.is_main:
                 commit_checkpoint(ckpt, meta)
                 prune_checkpoints(self.run_dir, self.keep, committed=step)
         except BaseException as err:  # re-raised in the training thread by wait()
-            self._error = err
+            self._error = _storage_failure(err, ckpt, "write") if isinstance(err, Exception) else err
 
     def _raise_pending(self) -> None:
         if self._error is not None:
@@ -89,12 +201,29 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_state(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
-    """(params, opt_state or None, step) from a checkpoint, placed on the current mesh. A
-    checkpoint Orbax cannot read (damaged, or of another model) is a one-line TrainingStateError."""
+def restore_state(ckpt: RunPath, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
+    """(params, opt_state or None, step) from a checkpoint (local, gs:// or s3://), placed on the
+    current mesh. A checkpoint Orbax cannot read (damaged, or of another model) is a one-line
+    TrainingStateError; a storage failure a one-line fileio.StorageError."""
+    if isinstance(ckpt, URLPath) and ckpt.scheme == "s3":
+        with tempfile.TemporaryDirectory(prefix="olmo-restore-") as tmp:
+            try:
+                _download_tree(ckpt / STATE_DIR, Path(tmp) / STATE_DIR)
+            except Exception as err:
+                raise _storage_failure(err, ckpt, "read") from None
+            return _restore_or_explain(Path(tmp), abstract_params, abstract_opt_state, shown=ckpt)
+    return _restore_or_explain(ckpt, abstract_params, abstract_opt_state, shown=ckpt)
+
+
+def _restore_or_explain(
+    ckpt: RunPath, abstract_params: Any, abstract_opt_state: Any | None, shown: RunPath
+) -> tuple[Any, Any | None, int]:
     try:
         return _restore(ckpt, abstract_params, abstract_opt_state)
     except Exception as err:
+        failure = _storage_failure(err, shown, "read")
+        if failure is not err:
+            raise failure from None
         # Orbax reports an array file it cannot read (missing, cut short) as a plain Exception
         # from TensorStore; anything else of that plain type is not a damaged file: re-raise it.
         plain_read_error = type(err) is Exception and str(err).startswith("Encountered error while reading")
@@ -102,15 +231,15 @@ def restore_state(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | No
             raise
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise TrainingStateError(
-            f"{ckpt}: Orbax cannot restore it onto this model ({first}); the checkpoint is damaged or of another model"
+            f"{shown}: Orbax cannot restore it onto this model ({first}); the checkpoint is damaged or of another model"
         ) from None
 
 
-def _restore(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
+def _restore(ckpt: RunPath, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
     target: dict[str, Any] = {"params": abstract_params, "step": 0}
     if abstract_opt_state is not None:
         with ocp.StandardCheckpointer() as orbax:
-            restored = orbax.restore(ckpt.resolve() / STATE_DIR, {**target, "opt_state": abstract_opt_state})
+            restored = orbax.restore(_orbax_path(ckpt), {**target, "opt_state": abstract_opt_state})
         return restored["params"], restored["opt_state"], int(restored["step"])
     # Weights only (a new stage's init): StandardCheckpointer refuses a target that leaves out
     # the stored opt_state, so restore the subset through PyTreeRestore's partial_restore.
@@ -118,5 +247,5 @@ def _restore(ckpt: Path, abstract_params: Any, abstract_opt_state: Any | None) -
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
     with ocp.PyTreeCheckpointer() as orbax:
-        restored = orbax.restore(ckpt.resolve() / STATE_DIR, args=restore)
+        restored = orbax.restore(_orbax_path(ckpt), args=restore)
     return restored["params"], None, int(restored["step"])

@@ -58,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import Recipe
 from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
+from olmo_model.storage import RunPath
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 from olmo_run.driver import check_shared_run_dir
 
@@ -360,7 +361,7 @@ def device_peak() -> tuple[float, str]:
 # ---- the run: the JAX side of olmo_run's driver ---------------------------------------------
 
 
-def train(recipe: Recipe) -> Path:
+def train(recipe: Recipe) -> RunPath:
     """Run (or resume) the recipe's training job on this process; returns the run dir. Every
     process checks the same inputs and reads the run dir before any process writes it, so bad
     input (a layout that cannot work included) stops every process with the same line."""

@@ -17,15 +17,21 @@ With ``checkpoint.async_save`` the state is staged to CPU memory before ``save``
 and written by a background thread (over its own gloo group, so its collectives never
 interleave with training's); rank 0 writes meta.json only when that write has finished,
 hashing the files first (``runlog.commit_checkpoint``).
+
+A run dir on ``gs://`` or ``s3://`` (``olmo_model.storage.URLPath``) is written and read by
+DCP's own fsspec storage writer and reader, on fileio's client for that URL (its endpoint and
+credentials: ``AWS_ENDPOINT_URL`` / ``AWS_*``, Google ADC or ``STORAGE_EMULATOR_HOST``). Every
+rank uploads its own files; rank 0 writes meta.json, one object, after DCP's ``.metadata``:
+the commit rule needs no rename. A storage failure during a save is a one-line
+``fileio.StorageError`` naming the URL and the fix; the checkpoint it left has no meta.json,
+so the previous one stays the latest.
 """
 
 from __future__ import annotations
 
 import base64
-import shutil
 import warnings
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -47,6 +54,8 @@ from olmo_model.runlog import (
     commit_checkpoint,
     prune_checkpoints,
 )
+from olmo_model.storage import RunPath, URLPath, backend
+from olmo_run.run_dir import storage_error
 
 from .parallelize import Distributed
 
@@ -74,15 +83,63 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(decode(state["cuda"]))
 
 
-class Checkpointer:
-    """Saves (optionally in the background) and commits checkpoints of one run dir."""
+def _bucket_fs(url: URLPath) -> Any:
+    from olmo_data import fileio
 
-    def __init__(self, run_dir: Path, d: Distributed, *, async_save: bool, keep: int):
+    return fileio.filesystem(str(url))[0]
+
+
+def _on_bucket(io: Any, url: URLPath) -> Any:
+    """DCP's fsspec writer/reader ``io`` switched to fileio's client for ``url``. DCP would make
+    its own from the URL alone, which is gcsfs's bucket-layout-probing class (no emulator
+    serves that API) with no way to pass the client fileio configured. Its rename, used once
+    to publish ``.metadata``, is a copy then a delete: an object store renames that way anyway,
+    and gcsfs's server-side move is not served by every store (it retries before falling back)."""
+    fs = _bucket_fs(url)
+    io.fs.fs = fs
+
+    def rename(path: Any, new_path: Any) -> None:
+        fs.copy(str(path), str(new_path))
+        fs.rm(str(path))
+
+    io.fs.rename = rename
+    return io
+
+
+def _writer(ckpt: URLPath) -> FsspecWriter:
+    return _on_bucket(FsspecWriter(str(ckpt)), ckpt)
+
+
+def _reader(ckpt: URLPath) -> FsspecReader:
+    return _on_bucket(FsspecReader(str(ckpt)), ckpt)
+
+
+def _raise_storage(err: BaseException, ckpt: RunPath, op: str) -> None:
+    """Re-raise a storage failure inside DCP (possibly wrapped per rank in a CheckpointException)
+    as fileio's one-line error; return for anything else (and for a local checkpoint, whose
+    errors keep their own messages)."""
+    if not isinstance(ckpt, URLPath):
+        return
+    causes = [err]
+    if isinstance(err, CheckpointException):
+        causes += [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+    for cause in causes:
+        if isinstance(cause, BaseException) and (found := storage_error(cause, ckpt, op)) is not None:
+            what = "saving" if op == "write" else "loading"
+            tail = "; the checkpoint has no meta.json, so the previous one stays the latest" if op == "write" else ""
+            raise type(found)(f"{what} checkpoint {ckpt.name}: {found}{tail}") from None
+
+
+class Checkpointer:
+    """Saves (optionally in the background) and commits checkpoints of one run dir (a local
+    folder or a gs:// / s3:// URL)."""
+
+    def __init__(self, run_dir: RunPath, d: Distributed, *, async_save: bool, keep: int):
         self.run_dir = run_dir
         self.d = d
         self.keep = keep
         self.async_save = async_save
-        self.pending: tuple[Future, Path, dict[str, Any]] | None = None
+        self.pending: tuple[Future, RunPath, dict[str, Any]] | None = None
         # A separate group keeps the background save's collectives off the training group.
         self.group = dist.new_group(backend="gloo") if (async_save and d.initialized) else None
         if d.is_main:
@@ -92,19 +149,29 @@ class Checkpointer:
         """Write model + optimizer for ``step``; meta.json follows once the data is on disk."""
         self.wait()
         ckpt = checkpoint_dir(self.run_dir, step)
-        if self.d.is_main and ckpt.exists():
-            shutil.rmtree(ckpt)  # an incomplete save of this step from a crashed run
+        fs = backend(ckpt)
+        if self.d.is_main and fs.exists(str(ckpt)):
+            fs.delete(str(ckpt), recursive=True)  # an incomplete save of this step from a crashed run
         self.d.barrier()
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
         no_dist = not self.d.initialized
-        if self.async_save:
-            # ignores: new_group over every rank never returns the non-member sentinel, and
-            # async_save without an async_stager returns a Future, not an AsyncSaveResponse.
-            future = dcp.async_save(state, checkpoint_id=str(ckpt), process_group=self.group, no_dist=no_dist)  # type: ignore[arg-type]
-            self.pending = (future, ckpt, meta)  # type: ignore[assignment]
-        else:
-            dcp.save(state, checkpoint_id=str(ckpt), no_dist=no_dist)
+        # A URL gets DCP's fsspec writer; a local folder its plain file-system writer.
+        target: dict[str, Any] = (
+            {"storage_writer": _writer(ckpt)} if isinstance(ckpt, URLPath) else {"checkpoint_id": str(ckpt)}
+        )
+        try:
+            if self.async_save:
+                # ignores: new_group over every rank never returns the non-member sentinel, and
+                # async_save without an async_stager returns a Future, not an AsyncSaveResponse.
+                future = dcp.async_save(state, **target, process_group=self.group, no_dist=no_dist)  # type: ignore[arg-type]
+                self.pending = (future, ckpt, meta)  # type: ignore[assignment]
+            else:
+                dcp.save(state, **target, no_dist=no_dist)
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            _raise_storage(err, ckpt, "write")
+            raise
+        if not self.async_save:
             self._commit(ckpt, meta)
 
     def wait(self) -> None:
@@ -113,10 +180,14 @@ class Checkpointer:
             return
         future, ckpt, meta = self.pending
         self.pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+            _raise_storage(err, ckpt, "write")
+            raise
         self._commit(ckpt, meta)
 
-    def _commit(self, ckpt: Path, meta: dict[str, Any]) -> None:
+    def _commit(self, ckpt: RunPath, meta: dict[str, Any]) -> None:
         if not self.d.is_main:
             return
         commit_checkpoint(ckpt, meta)
@@ -129,22 +200,28 @@ class Checkpointer:
             self.wait()
 
 
-def load_checkpoint(ckpt: Path, d: Distributed, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Load model (and optimizer unless None) from a DCP checkpoint onto the current layout."""
-    if not (ckpt / ".metadata").exists():
+def load_checkpoint(ckpt: RunPath, d: Distributed, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Load model (and optimizer unless None) from a DCP checkpoint onto the current layout;
+    ``ckpt`` may be a gs:// / s3:// URL (read with ranged GETs by DCP's fsspec reader)."""
+    if not backend(ckpt).exists(str(ckpt / ".metadata")):
         raise TrainingStateError(f"{ckpt}: no DCP .metadata; this is not a torch checkpoint (or it is damaged)")
     no_dist = not d.initialized
+
+    def source() -> dict[str, Any]:  # a reader per load: DCP keeps per-load state in it
+        return {"storage_reader": _reader(ckpt)} if isinstance(ckpt, URLPath) else {"checkpoint_id": str(ckpt)}
+
     try:
         if optimizer is None:
             state: dict[str, Any] = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(ckpt), no_dist=no_dist)
+            dcp.load(state, **source(), no_dist=no_dist)
             set_model_state_dict(model, state["model"])
             return
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(ckpt), no_dist=no_dist)
+        dcp.load(state, **source(), no_dist=no_dist)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    except (RuntimeError, KeyError, CheckpointException) as err:
+    except (RuntimeError, KeyError, CheckpointException, OSError) as err:
+        _raise_storage(err, ckpt, "read")
         # DCP wraps what failed on each rank (a missing or unreadable file, say) in a
         # CheckpointException whose text is a traceback: report the first rank's error itself.
         cause = next(iter(err.failures.values()))[0] if isinstance(err, CheckpointException) and err.failures else err

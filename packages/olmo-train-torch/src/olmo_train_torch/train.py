@@ -60,6 +60,7 @@ from olmo_data import MixtureLoader
 from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import BatchLayout, Recipe
 from olmo_model.runlog import SpikeGuard, perplexity
+from olmo_model.storage import RunPath
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 from olmo_run.driver import check_shared_run_dir
 
@@ -457,7 +458,7 @@ def start_model(
     return prepare_model(model, recipe, d, mesh, experts, materialize=materialize)
 
 
-def train(recipe: Recipe) -> Path:
+def train(recipe: Recipe) -> RunPath:
     """Run (or resume) the recipe's job on this process; returns the run dir. Every check
     runs before this process joins the process group or writes anything."""
     rank, world_size, _ = process_layout()
