@@ -119,8 +119,13 @@ def test_killed_during_a_checkpoint_write_resumes_bitwise(framework, scheme, req
 
     if framework == "torch":  # in this process: cheaper, and fileio's clients follow the environment
         capsys.readouterr()
-        assert main(framework)(args) == 0
+        # Also a TensorBoard sink and a trace of step 3: written locally, uploaded to the bucket.
+        observe = ["--log.sinks=[tensorboard]", "--profile.start_step=3", "--profile.steps=1"]
+        assert main(framework)([*args, *observe]) == 0
         said = capsys.readouterr().out
+        uploaded = objects(run)
+        assert "profile/steps_3-3/trace_rank0.json" in uploaded
+        assert [n for n in uploaded if n.startswith("tensorboard/events.out.tfevents.")]
     else:  # the GCS emulator settings TensorStore gets, and etils' gcsfs client, last a process: a fresh one
         resumed = trainer_process(framework, args)
         assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -51,7 +51,7 @@ from olmo_model.runlog import (
     training_meta,
     write_atomic,
 )
-from olmo_model.storage import RunPath, URLPath, local_copy
+from olmo_model.storage import RunPath, URLPath, backend, local_copy
 from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
 from olmo_run.sinks import open_sinks
 
@@ -412,10 +412,12 @@ class Run:
             batches.close()  # stops the loader's prefetch threads
             self.console.close()
             if self.tracing:  # the loop raised inside the traced steps: keep what was traced
-                self.module.stop_trace()
+                self.stop_trace()
             self.module.close()  # a save in flight was checked finite: it is committed
             for sink in self.sinks:
                 sink.close()
+            if self.sinks:
+                self.upload_local("tensorboard")
 
     def trace(self, step: int) -> None:
         """Before ``step``: start the profiler at ``profile.start_step``, stop it after the last
@@ -431,8 +433,24 @@ class Run:
             self.tracing = True
             self.console.line(f"profiling steps {p.start_step}-{last} into {folder}")
         elif self.tracing and step > last:
-            self.module.stop_trace()
-            self.tracing = False
+            self.stop_trace()
+
+    def stop_trace(self) -> None:
+        self.module.stop_trace()
+        self.tracing = False
+        self.upload_local("profile")
+
+    def upload_local(self, folder: str) -> None:
+        """For a URL run dir: this process's files of ``folder`` in the local copy go to the
+        bucket (traces: every process its own; the sinks' files: process 0's)."""
+        run_dir = self.plan.run_dir
+        if not isinstance(run_dir, URLPath):
+            return
+        local = local_copy(run_dir)
+        target = backend(run_dir)
+        for path in sorted((local / folder).rglob("*")):
+            if path.is_file():
+                target.upload(str(path), str(run_dir / path.relative_to(local).as_posix()))
 
     def finish(self, title: str) -> None:
         if self.is_main:
