@@ -116,3 +116,51 @@ def test_launchers_dry_run_print_the_exact_commands():
     assert f"olmo-plan {STAGE1} --devices v5p:128" in tpu
     assert "tpu-vm ssh slice --zone z --worker=all" in tpu
     assert "olmo-train-jax" in tpu and "--jax.distributed=true" in tpu
+
+
+STAGE3_7B = ROOT / "recipes" / "olmo3-7b" / "stage3.yaml"
+STAGE3_32B = ROOT / "recipes" / "olmo3-32b" / "stage3.yaml"
+
+
+def _plans(capsys, recipe, *args):
+    rc = plan_main([str(recipe), *args, "--json"])
+    return rc, json.loads(capsys.readouterr().out)["plans"]
+
+
+@pytest.mark.parametrize("recipe", [STAGE3_7B, STAGE3_32B])
+def test_stage3_with_context_8_on_512_devices(capsys, recipe):
+    rc, plans = _plans(capsys, recipe, "--devices", "tpu7x:512", "--devices", "v5p:512", "--devices", "h100:512")
+    assert rc == 0
+    for p in plans:
+        # 64 sequences of 65536: CP=8 leaves 512 / 8 = 64 data-parallel groups of one sequence,
+        # 65536 / 8 = 8192 tokens per device (stage 1's share).
+        assert (p["context_degree"], p["dp_size"], p["per_device_batch"], p["accumulation_steps"]) == (8, 64, 1, 1)
+        assert p["tokens_per_device"] == 8192 and p["fits"]
+        assert p["memory_kv_exchange_gib"] > 0
+    # JAX keeps the context axis out of the parameter placement: the state is split over fsdp = 64.
+    assert plans[0]["shard_group"] == 64
+
+
+def test_stage3_at_cp8_needs_no_more_than_stage1_plus_the_kv_exchange(capsys):
+    """The issue's goal: stage 3 (65,536 tokens, CP=8) per device at most stage 1's (8,192 tokens)
+    plus the K/V exchange, by olmo-plan, for both trainers."""
+    _, stage3 = _plans(capsys, STAGE3_7B, "--devices", "v5p:512", "--devices", "h100:512")
+    _, stage1 = _plans(capsys, STAGE1, "--devices", "v5p:512", "--devices", "h100:512")
+    for s3, s1 in zip(stage3, stage1):
+        assert s3["memory_total_gib"] <= s1["memory_total_gib"] + s3["memory_kv_exchange_gib"] + 1e-9
+    # The K/V exchange of one global layer: 18 bytes x 65536 keys x kv_width 4096 (plan.KV_EXCHANGE_BYTES).
+    assert stage3[0]["memory_kv_exchange_gib"] == pytest.approx(18 * 65536 * 4096 / 2**30)
+
+
+def test_context_degrees_that_cannot_split_are_refused(capsys):
+    assert plan_main([str(STAGE3_7B), "--devices", "v5p:512", "--jax.mesh.context=3"]) == 2
+    err = capsys.readouterr().err
+    assert "jax.mesh" in err or "context degree 3" in err
+    assert plan_main([str(STAGE3_7B), "--devices", "h100:512", "--torch.context_parallel=3"]) == 2
+    assert "torch.context_parallel=3 does not divide 512" in capsys.readouterr().err
+
+
+def test_without_context_parallelism_stage3_names_the_context_knob(capsys):
+    rc, plans = _plans(capsys, STAGE3_7B, "--devices", "v5p:64", "--jax.mesh.context=1")
+    assert rc == 1 and not plans[0]["fits"]
+    assert "jax.mesh.context=2" in plans[0]["advice"]

@@ -28,6 +28,16 @@ JAX (TPU kinds): the fused step as XLA:TPU compiles it (``_jax_step``): the shar
 (and accumulator) with the state, the output head's whole fp32 gradient with its copies, and the
 blocked attention's fp32 scores (``JAX_ATTENTION_SCORES``); within 11% of the compiler's peak
 (``olmo-train-jax --dry-run``) on olmo3-7b v5p:512 and v5p:128 and olmo3-32b v5p:512.
+Context parallelism (``jax.mesh.context`` / ``torch.context_parallel`` = C): one sequence is split
+over C devices, so the data-parallel size is devices / C (x the other model axes), each device holds
+S / C tokens of its rows (activations, head + loss), and the state is sharded as without it (the
+JAX trainer keeps the context axis out of the parameter placement; torch's FSDP spans the world).
+The attention is the JAX trainer's context kernel (``olmo_train_jax.causal_attention``): one query
+block's fp32 scores at a time (``CONTEXT_SCORE_BYTES``, a few copies in the backward) instead of the
+blocked kernel's S x S, plus the K/V exchange of one global layer (``KV_EXCHANGE_BYTES``: the
+gathered bf16 K and V and their fp32 gradient accumulators over the whole sequence); sliding layers
+move only the window's keys, a few MB. Those two terms are not yet fitted to a compile at 65,536
+tokens (``olmo-train-jax --dry-run`` reports the compiler's figure beside this one).
 It is an estimate (no allocator fragmentation, no compiler temporaries): keep 10% headroom.
 """
 
@@ -55,6 +65,8 @@ class Plan:
     global_batch: int
     global_batch_tokens: int
     dp_size: int
+    context_degree: int  # devices one sequence is split over (1: no context parallelism)
+    tokens_per_device: int  # tokens of one micro-batch per device: per-device batch x S / C
     shard_group: int
     per_device_batch: int
     accumulation_steps: int
@@ -62,6 +74,7 @@ class Plan:
     memory_gathered_weights_gib: float
     memory_activations_gib: float
     memory_logits_gib: float
+    memory_kv_exchange_gib: float  # context parallelism's gathered K/V (and gradients), one layer
     memory_total_gib: float
     hbm_gib: float
     fits: bool
@@ -86,8 +99,9 @@ def _activation_values_per_token_layer(spec: ModelSpec, remat: str) -> float:
     return 6 * d + 3 * q + 4 * kv + 4 * ff
 
 
-def _framework_layout(recipe: Recipe, kind: str, devices: int) -> tuple[str, int, int, str]:
-    """(framework, data-parallel size, state sharding group, remat) for a device layout."""
+def _framework_layout(recipe: Recipe, kind: str, devices: int) -> tuple[str, int, int, str, int]:
+    """(framework, data-parallel size, state sharding group, remat, context degree) for a device
+    layout."""
     if kind in ("v5p", "v6e", "tpu7x"):
         mesh = dict(recipe.jax.mesh)
         tensor = mesh.get("tensor", 1)
@@ -103,9 +117,12 @@ def _framework_layout(recipe: Recipe, kind: str, devices: int) -> tuple[str, int
         shard = sizes.get("fsdp", 1) * tensor
         if sizes.get("fsdp", 1) == 1 and sizes.get("data", 1) == devices:
             shard = 1  # pure data parallel: every device holds the whole state
-        return "jax", dp, shard, recipe.jax.remat
+        return "jax", dp, shard, recipe.jax.remat, sizes.get("context", 1)
     t = recipe.torch
     remat = "block" if t.activation_checkpointing else "none"
+    cp = t.context_parallel
+    if devices % cp:
+        raise RecipeError(f"torch.context_parallel={cp} does not divide {devices} devices; choose a divisor")
     if t.parallel == "fsdp":
         shard = devices
     elif t.parallel == "hsdp":
@@ -114,7 +131,7 @@ def _framework_layout(recipe: Recipe, kind: str, devices: int) -> tuple[str, int
         shard = devices // t.replicate
     else:
         shard = 1
-    return "torch", devices, shard, remat
+    return "torch", devices // cp, shard, remat, cp
 
 
 def _torch_head_phase(
@@ -143,18 +160,40 @@ def _torch_head_phase(
 JAX_ATTENTION_SCORES = 1.5
 
 
-def _jax_step(spec: ModelSpec, n: int, shard: int, accumulation: int, rows: int, seq: int) -> tuple[float, int, float]:
+# The JAX context kernel's fp32 scores of one query block (olmo_train_jax.causal_attention
+# CONTEXT_BLOCK_BYTES), of which the backward holds the scores, the probabilities and their gradient.
+CONTEXT_SCORE_BYTES = 3 * 256 * 2**20
+# Bytes per key and kv_width element of one global layer's K/V exchange under context parallelism:
+# the gathered K and V in bf16 (2 x 2), their fp32 gradient accumulators over the early half and
+# the whole sequence (1.5 x 2 x 4) and the early half's copies (0.5 x 2 x 2).
+KV_EXCHANGE_BYTES = 18
+
+
+def _context_terms(spec: ModelSpec, rows: int, seq: int, cp: int) -> tuple[float, float]:
+    """(attention scores, K/V exchange) bytes per device of the JAX context kernel."""
+    if cp == 1:
+        return 0.0, 0.0
+    return float(CONTEXT_SCORE_BYTES), float(KV_EXCHANGE_BYTES * rows * seq * spec.kv_width)
+
+
+def _jax_step(
+    spec: ModelSpec, n: int, shard: int, accumulation: int, rows: int, seq: int, cp: int = 1
+) -> tuple[float, int, float]:
     """(state, head + loss, attention) bytes per device of the JAX trainer's fused step as XLA:TPU
     compiles it (``olmo-train-jax --dry-run``): fp32 weights, AdamW moments and fp32 gradients
     (and their accumulator with accumulation), sharded; the output head's whole fp32 gradient
     (reduced over the batch only after its last chunk), its bf16 copy and fp32 cast and the
     gathered bf16 head (12 bytes per d_model x padded vocab), a chunk of fp32 logits and the
-    head's input gradient (bf16); the attention scores of ``rows`` rows of ``seq`` tokens."""
+    head's input gradient (bf16); the attention scores of ``rows`` rows of ``seq`` tokens (under
+    context parallelism, ``cp`` > 1: S / cp tokens per row, the context kernel's block scores)."""
     d, v = spec.d_model, spec.padded_vocab_size
-    tokens = rows * seq
+    tokens = rows * seq // cp
     state = n * (16 + (4 if accumulation > 1 else 0)) / shard
     head = 12 * d * v + min(tokens * v * 4, HEAD_CHUNK_BYTES) + tokens * d * 2
-    attention = JAX_ATTENTION_SCORES * rows * spec.n_heads * seq * seq * 4
+    if cp > 1:
+        attention = _context_terms(spec, rows, seq, cp)[0]
+    else:
+        attention = JAX_ATTENTION_SCORES * rows * spec.n_heads * seq * seq * 4
     return state, head, attention
 
 
@@ -164,14 +203,19 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
     seq = recipe.train.sequence_length
     if seq is None:
         raise RecipeError("olmo-plan needs train.sequence_length in the recipe (the dry run reads no data)")
-    framework, dp, shard, remat = _framework_layout(recipe, peak.kind, devices)
+    framework, dp, shard, remat, cp = _framework_layout(recipe, peak.kind, devices)
+    if cp > 1 and seq % (2 * cp):
+        raise RecipeError(
+            f"context degree {cp} needs train.sequence_length={seq} to split into 2 x {cp} equal chunks; "
+            "choose a degree whose double divides the sequence length"
+        )
     global_batch = recipe.global_batch_sequences(seq)
     layout = batch_layout(global_batch, dp, recipe.train.micro_batch_size)
     n = param_counts(spec).total
     state = n * 16 / shard
     biggest_block = max((param_counts(spec).total - param_counts(spec).embedding) / spec.n_layers, 1.0)
     gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
-    tokens_micro = layout.per_device_batch * seq
+    tokens_micro = layout.per_device_batch * seq // cp
     per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes
     acts = tokens_micro * per_layer * spec.n_layers
     if remat == "block":  # one block recomputed in full during backward
@@ -185,10 +229,14 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
         head_phase = _torch_head_phase(spec, n, shard, layout.accumulation_steps, tokens_micro)
         if sum(head_phase) > state + gathered + acts + logits:
             state, gathered, acts, logits = head_phase
+    # The K/V of the whole sequence that one global layer gathers under context parallelism.
+    exchange = _context_terms(spec, layout.per_device_batch, seq, cp)[1]
     if framework == "jax":
-        state, logits, attention = _jax_step(spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq)
+        state, logits, attention = _jax_step(
+            spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq, cp
+        )
         acts += attention
-    total = state + gathered + acts + logits
+    total = state + gathered + acts + logits + exchange
     hbm = peak.hbm_bytes
     fits = total <= HEADROOM * hbm
     advice = ""
@@ -200,11 +248,9 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
             knobs.append(f"train.micro_batch_size={max(layout.per_device_batch // 2, 1)} (gradient accumulation)")
         if shard < devices:
             knobs.append("shard the state over more devices (jax.mesh fsdp=-1 / torch.parallel=fsdp)")
-        if not knobs:
-            knobs.append(
-                "use more devices or a shorter sequence (one sequence per device is the floor: there is no "
-                "context parallelism yet)"
-            )
+        if not knobs or layout.per_device_batch == 1:
+            key = "jax.mesh.context" if framework == "jax" else "torch.context_parallel"
+            knobs.append(f"split each sequence over more devices ({key}={2 * cp}, context parallelism)")
         advice = "does not fit: " + "; or ".join(knobs)
     fpt = flops_per_token(spec, seq)
     step_time = fpt * recipe.train.global_batch_tokens / (mfu * peak.bf16_flops_per_device * devices)
@@ -217,6 +263,8 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
         global_batch=global_batch,
         global_batch_tokens=recipe.train.global_batch_tokens,
         dp_size=dp,
+        context_degree=cp,
+        tokens_per_device=tokens_micro,
         shard_group=shard,
         per_device_batch=layout.per_device_batch,
         accumulation_steps=layout.accumulation_steps,
@@ -224,6 +272,7 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
         memory_gathered_weights_gib=gathered / GIB,
         memory_activations_gib=acts / GIB,
         memory_logits_gib=logits / GIB,
+        memory_kv_exchange_gib=exchange / GIB,
         memory_total_gib=total / GIB,
         hbm_gib=hbm / GIB,
         fits=fits,
@@ -240,7 +289,15 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
 
 def _changes(a: Plan, b: Plan) -> list[str]:
     out = []
-    for key in ("device_kind", "devices", "dp_size", "per_device_batch", "accumulation_steps", "shard_group"):
+    for key in (
+        "device_kind",
+        "devices",
+        "dp_size",
+        "context_degree",
+        "per_device_batch",
+        "accumulation_steps",
+        "shard_group",
+    ):
         if getattr(a, key) != getattr(b, key):
             out.append(f"{key} {getattr(a, key)} -> {getattr(b, key)}")
     out.append(f"global batch kept: {b.global_batch} x {b.sequence_length} tokens")
@@ -283,11 +340,14 @@ def main(argv: list[str] | None = None) -> int:
             ("framework", lambda p: p.framework),
             ("global batch (seqs x len)", lambda p: f"{p.global_batch} x {p.sequence_length}"),
             ("data-parallel / shard group", lambda p: f"{p.dp_size} / {p.shard_group}"),
+            ("context degree", lambda p: str(p.context_degree)),
             ("per-device batch", lambda p: str(p.per_device_batch)),
+            ("tokens per device", lambda p: f"{p.tokens_per_device:,}"),
             ("accumulation steps", lambda p: str(p.accumulation_steps)),
             ("memory: state (GiB)", lambda p: f"{p.memory_state_gib:.1f}"),
             ("memory: activations (GiB)", lambda p: f"{p.memory_activations_gib:.1f}"),
             ("memory: head + loss (GiB)", lambda p: f"{p.memory_logits_gib:.1f}"),
+            ("memory: K/V exchange (GiB)", lambda p: f"{p.memory_kv_exchange_gib:.1f}"),
             ("memory: total / HBM (GiB)", lambda p: f"{p.memory_total_gib:.1f} / {p.hbm_gib:.0f}"),
             ("fits", lambda p: "yes" if p.fits else "NO"),
             ("step time @ MFU", lambda p: f"{p.step_time_s:.2f}s @ {p.mfu:.0%}"),

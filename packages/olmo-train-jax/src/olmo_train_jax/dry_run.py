@@ -332,6 +332,8 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
     topology, devices = topology_devices(peak.kind, count)
     mesh = sharding.make_mesh(recipe.jax.mesh, devices)
     sharding.check_mesh_for_spec(mesh, spec)
+    sharding.check_mesh_for_sequence(mesh, seq)
+    cp = sharding.context_size(mesh)
     layout = batch_layout(recipe.global_batch_sequences(seq), sharding.dp_size(mesh), recipe.train.micro_batch_size)
 
     make_model = partial(
@@ -362,8 +364,9 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
     n = len(devices)
     model_flops = flops_per_token(spec, seq) * recipe.train.global_batch_tokens
     notes = [
-        f"{topology}: {n} devices, mesh {dict(mesh.shape)}, {layout.per_device_batch} x {seq} tokens per device "
-        f"per micro-step, {layout.accumulation_steps} micro-step(s) in the compiled program (scan), "
+        f"{topology}: {n} devices, mesh {dict(mesh.shape)}, {layout.per_device_batch} x {seq // cp} tokens per device "
+        f"per micro-step{f' (context parallel: each sequence split over {cp} devices)' if cp > 1 else ''}, "
+        f"{layout.accumulation_steps} micro-step(s) in the compiled program (scan), "
         f"remat {recipe.jax.remat}, {recipe.train.precision}",
         "peak = arguments + outputs not aliased to the donated state + temporaries (compiler's memory analysis)",
     ]

@@ -38,7 +38,10 @@ attend to the keys of their own and the previous block under one static band mas
 memory and FLOPs instead of O(S^2). Document masking (``doc_ids``) restricts each query block
 to its document on either path. On GPU with bf16 activations and no document mask,
 ``jax.attention=auto`` (the default) runs cuDNN's fused flash attention instead (``cudnn``
-forces it, ``xla`` forbids it); every other case runs the XLA paths above.
+forces it, ``xla`` forbids it); every other case runs the XLA paths above. Under context
+parallelism (``OlmoModel.context`` set by the trainer) every layer runs
+``causal_attention.context_attention`` instead, over a sequence whose columns are in the zigzag
+layout's order; the caller passes each column's true position, which RoPE/YaRN and the masks use.
 
 Linear weights are (in, out) kernels, the JAX convention; ``hf_adapter`` transposes to and
 from transformers' (out, in). Parameters live in ``param_dtype`` (float32 master weights);
@@ -62,7 +65,7 @@ from flax import nnx
 from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
 from olmo_model.moe import check_routing
 
-from .causal_attention import blocked_causal_attention
+from .causal_attention import ContextSetup, blocked_causal_attention, context_attention
 from .layers import linear, rms_norm, swiglu_down
 from .moe import ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 from .precision import matmul_precision
@@ -117,8 +120,9 @@ def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[np.ndarray, f
     return inv_freq, scale
 
 
-def _cos_sin(inv_freq: np.ndarray, scale: float, seq_len: int) -> tuple[jax.Array, jax.Array]:
-    freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+def _cos_sin(inv_freq: np.ndarray, scale: float, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [S, head_dim] (times ``scale``) at ``positions`` [S], each column's position."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
     angles = jnp.concatenate([freqs, freqs], axis=-1)  # rotate-half layout: [S, head_dim]
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
@@ -306,7 +310,10 @@ class OlmoModel(nnx.Module):
     platform of the devices the step is compiled for (None: ``jax.default_backend()``), which
     picks the attention path, since a step compiled ahead of time for a TPU topology on a CPU
     host must take the TPU path; ``hidden_sharding``, where the residual stream [B, S, d_model]
-    lives between layers (None: wherever XLA's propagation puts it)."""
+    lives between layers (None: wherever XLA's propagation puts it); ``context``, the
+    ``causal_attention.ContextSetup`` of a context-parallel mesh (None: no CP), with which every
+    layer's attention runs ``causal_attention.context_attention`` over the split sequence (the
+    caller then passes each column's true position)."""
 
     def __init__(
         self,
@@ -337,16 +344,21 @@ class OlmoModel(nnx.Module):
         self.batch_shards = 1
         self.platform: str | None = None
         self.hidden_sharding: jax.sharding.Sharding | None = None
+        self.context: ContextSetup | None = None
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
         self.layers = StackedLayers(spec, rngs, param_dtype)
         self.final_norm = _ones((d,), param_dtype)
         self.lm_head = _truncated_normal(rngs, (d, V), spec, param_dtype)
 
-    def __call__(self, input_ids: jax.Array, doc_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, input_ids: jax.Array, doc_ids: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> jax.Array:
         """Logits (float32) for every position. ``doc_ids`` [B, S]: a query attends only to keys
-        of its own document; positions are not reset, as RoPE scores depend only on distance."""
-        return self.forward_with_aux(input_ids, doc_ids)[0]
+        of its own document; positions are not reset, as RoPE scores depend only on distance.
+        ``positions`` [S]: the sequence position of each column (the same for every row; None:
+        0 .. S-1), given under context parallelism, whose columns are in the layout's order."""
+        return self.forward_with_aux(input_ids, doc_ids, positions=positions)[0]
 
     def forward_with_aux(
         self,
@@ -356,27 +368,32 @@ class OlmoModel(nnx.Module):
         routing: str = "learned",
         routing_key: jax.Array | None = None,
         head: bool = True,
+        positions: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEStats | None]:
         """(logits, MoE stats over the MoE layers: losses averaged, counts summed; None for a
         dense spec). ``routing`` is learned/random/uniform (``moe.route``); random routing
         needs ``routing_key``, e.g. ``jax.random.fold_in(jax.random.key(seed), step)``; each
         layer folds in its index. ``head=False``: the final-normed hidden states [B, S,
         d_model] in the compute dtype instead of the logits, for ``head_loss.head_loss_sums``
-        with ``head_weight()``."""
+        with ``head_weight()``. ``positions``: as for ``__call__``."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
             raise ValueError(f"doc_ids shape {doc_ids.shape} differs from input_ids shape {input_ids.shape}")
+        if positions is not None and positions.shape != input_ids.shape[1:]:
+            raise ValueError(f"positions shape {positions.shape} must be [seq] = {input_ids.shape[1:]}")
+        if self.context is not None and positions is None:
+            raise ValueError("a context-parallel model needs positions (sharding.sequence_positions)")
         check_routing(routing)
         if routing == "random" and routing_key is None:
             raise ValueError("routing='random' needs routing_key, e.g. jax.random.fold_in(jax.random.key(seed), step)")
         # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run
         # float32 matmuls with bf16/tf32 passes); this is the parity mode.
         if self.dtype != jnp.float32:
-            x, stats = self._forward(input_ids, doc_ids, routing, routing_key)
+            x, stats = self._forward(input_ids, doc_ids, routing, routing_key, positions)
         else:
             with jax.default_matmul_precision("highest"):
-                x, stats = self._forward(input_ids, doc_ids, routing, routing_key)
+                x, stats = self._forward(input_ids, doc_ids, routing, routing_key, positions)
         if not head:
             return x, stats
         logits = jnp.einsum(
@@ -392,14 +409,16 @@ class OlmoModel(nnx.Module):
         """The output head [d_model, padded_vocab] in the compute dtype."""
         return self.lm_head[...].astype(self.dtype)
 
-    def _forward(self, input_ids, doc_ids, routing, routing_key):
+    def _forward(self, input_ids, doc_ids, routing, routing_key, positions):
         spec, dtype = self.spec, self.dtype
         seq_len = input_ids.shape[1]
         x = self._place(jnp.take(self.embed[...], input_ids, axis=0).astype(dtype))
+        if positions is None:
+            positions = jnp.arange(seq_len, dtype=jnp.int32)
 
         rope = {
-            SLIDING: _cos_sin(*rope_inv_freq(spec, None), seq_len),
-            FULL: _cos_sin(*rope_inv_freq(spec, spec.yarn), seq_len),
+            SLIDING: _cos_sin(*rope_inv_freq(spec, None), positions),
+            FULL: _cos_sin(*rope_inv_freq(spec, spec.yarn), positions),
         }
         n_layers = spec.n_layers
         assert spec.layer_types is not None  # filled by ModelSpec._fill_layer_types
@@ -411,7 +430,7 @@ class OlmoModel(nnx.Module):
             # Layer repeat * period + p: its kind is layer_types[p], known at trace time.
             cos, sin = rope[layer_types[p]]
             key = None if routing_key is None else jax.random.fold_in(routing_key, repeat * period + p)
-            return self._block(h, weights, cos, sin, spec.window_of(p), doc_ids, routing, key)
+            return self._block(h, weights, cos, sin, spec.window_of(p), doc_ids, routing, key, positions)
 
         def body(h, xs):
             weights, repeat = xs
@@ -432,7 +451,7 @@ class OlmoModel(nnx.Module):
         # [repeats, period, ...] -> [n_layers, ...] in layer order, as one scan over layers gave.
         per_layer = jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), per_layer)
 
-        x = self._place(rms_norm(x, self.final_norm[...], spec.norm_eps))
+        x = self._place(rms_norm(x, self.final_norm[...], spec.norm_eps, self.context is None))
         if per_layer is None:
             return x, None
         stats = MoEStats(
@@ -450,37 +469,47 @@ class OlmoModel(nnx.Module):
         for the matmul instead (issue 17), which grows with the device count."""
         return x if self.hidden_sharding is None else jax.lax.with_sharding_constraint(x, self.hidden_sharding)
 
-    def _block(self, x, w, cos, sin, window, doc_ids, routing, key):
+    def _block(self, x, w, cos, sin, window, doc_ids, routing, key, positions):
         spec, dtype = self.spec, self.dtype
         B, S, _ = x.shape
         eps = spec.norm_eps
 
+        # Under context parallelism the backward contracts over (batch, seq) as they are
+        # (layers.py ``flat``): flattening a sequence-split batch would gather it.
+        flat = self.context is None
+
         def proj(a, name):
-            return linear(a, w[name].astype(dtype))
+            return linear(a, w[name].astype(dtype), flat)
+
+        def norm(a, weight):
+            return rms_norm(a, weight, eps, flat)
 
         # norm_placement: reordered (Olmo 3) normalises each sublayer's output, pre its input.
         pre_norm = spec.norm_placement == "pre"
-        a = rms_norm(x, w["post_attention_norm"], eps) if pre_norm else x
+        a = norm(x, w["post_attention_norm"]) if pre_norm else x
         q, k, v = proj(a, "q_proj"), proj(a, "k_proj"), proj(a, "v_proj")
         if spec.qk_norm == "full":
-            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
         q = q.reshape(B, S, spec.n_heads, spec.head_dim)
         k = k.reshape(B, S, spec.kv_heads, spec.head_dim)
         v = v.reshape(B, S, spec.kv_heads, spec.head_dim)
         if spec.qk_norm == "per_head":
-            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+            q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards, self.platform)
+        if self.context is not None:
+            attn = context_attention(q, k, v, window, doc_ids, positions, self.context)
+        else:
+            attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards, self.platform)
         o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
-        h = x + (o if pre_norm else rms_norm(o, w["post_attention_norm"], eps))
-        m_in = rms_norm(h, w["post_feedforward_norm"], eps) if pre_norm else h
+        h = x + (o if pre_norm else norm(o, w["post_attention_norm"]))
+        m_in = norm(h, w["post_feedforward_norm"]) if pre_norm else h
 
         def finish(mlp):
-            return h + (mlp if pre_norm else rms_norm(mlp, w["post_feedforward_norm"], eps))
+            return h + (mlp if pre_norm else norm(mlp, w["post_feedforward_norm"]))
 
         if spec.moe is None:
             return finish(
-                swiglu_down(proj(m_in, "gate_proj"), proj(m_in, "up_proj"), w["down_proj"].astype(dtype))
+                swiglu_down(proj(m_in, "gate_proj"), proj(m_in, "up_proj"), w["down_proj"].astype(dtype), flat)
             ), None
         routed = ExpertWeights(w["expert_gate_proj"], w["expert_up_proj"], w["expert_down_proj"])
         shared = None

@@ -11,12 +11,29 @@ The mesh has named axes (``recipe.jax.mesh``; one of them may be -1 = the device
   blocks; the axis also carries data (MaxText / DeepSeek style), so dense parameters are
   replicated over it like over ``data``, and ``expert_parallel`` moves each token to the
   rank that owns its expert with an all-to-all;
+- ``context`` (only in the mesh when larger than 1): context parallelism. Every row's sequence
+  is split over it in ``olmo_model.context.ContextLayout``'s zigzag order (2C chunks, device r
+  holds chunks r and 2C-1-r, so causal attention costs every device the same):
+  ``global_batch_array`` permutes each row's columns to that order before placing it, and the
+  trainer passes each column's true position (``sequence_positions``) to the model, whose
+  attention exchanges keys over the axis (``causal_attention.context_attention``: an all-gather
+  of K/V for global layers, the window's tail from the neighbours for sliding ones). Everything
+  else is per token and needs no change; the loss is a sum over tokens, so it does not see the
+  order. It is a model-parallel axis for the loader: the devices of one context group read the
+  same rows. Parameters are replicated over it, as over ``data`` (FSDP does not extend over
+  context, unlike torchtitan's dp_shard_cp): the output head and the embedding meet the tokens
+  along the axis that splits them, and with the head split over context too XLA chose to
+  all-gather the context group's hidden states for the head matmul rather than the head (the
+  tiny test shape, where the activations are the smaller), which undoes the split it exists for.
+  With context out of the weight placement every weight gather runs over fsdp only and the
+  gradients are reduced over context like over data; the state is divided by fsdp x tensor,
+  which for stage 3 (CP=8 on 512 devices, fsdp=64) is 1.8 GB per device for the 7B;
 - ``tensor``: Megatron-style tensor parallelism: attention heads (q/k/v output, o input), the
   MLP hidden axis (gate/up output, down input) and the vocabulary of the output head are split
   when the tensor size divides them.
 
 A batch is split over (data, fsdp, expert) on its batch axis, so the data-parallel size is
-data x fsdp x expert. XLA inserts the all-gathers and reduce-scatters the placements imply;
+data x fsdp x expert, and over context on its sequence axis. XLA inserts the all-gathers and reduce-scatters the placements imply;
 the model code holds no parallelism (docs/design.md contract 6).
 
 Multi-process (``distributed_settings``): with ``jax.distributed`` or any of
@@ -48,13 +65,17 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from olmo_model import ModelSpec
+from olmo_model.context import ContextLayout, ContextLayoutError
 from olmo_model.recipe import Recipe, RecipeError
 
+from .causal_attention import ContextSetup
 from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec
 
-# In mesh order; the expert axis is present only when the recipe asks for more than one
-# expert rank, so dense runs keep their (data, fsdp, tensor) mesh.
-MESH_AXES = ("data", "fsdp", EXPERT_AXIS, "tensor")
+CONTEXT_AXIS = "context"
+# In mesh order; the expert and context axes are present only when the recipe asks for more than
+# one rank on them, so other runs keep their (data, fsdp, tensor) mesh. Context sits next to
+# tensor: both exchange activations every layer, so their groups are the nearest devices.
+MESH_AXES = ("data", "fsdp", EXPERT_AXIS, CONTEXT_AXIS, "tensor")
 
 
 # The explicit launch's environment variables (this JAX reads only the first one itself).
@@ -168,7 +189,7 @@ def stop_together() -> Iterator[None]:
 
 
 def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
-    """A (data, fsdp[, expert], tensor) mesh over all devices; a -1 axis takes the devices left."""
+    """A (data, fsdp[, expert][, context], tensor) mesh over all devices; a -1 axis takes the devices left."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     sizes = {axis: int(mesh_axes.get(axis, 1)) for axis in MESH_AXES}
@@ -178,6 +199,11 @@ def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
         raise RecipeError(
             f"jax.mesh={mesh_axes}: jax.mesh.expert cannot be -1; give the number of expert ranks "
             "(a divisor of moe.n_experts) and let data or fsdp take the devices left"
+        )
+    if sizes[CONTEXT_AXIS] == -1:
+        raise RecipeError(
+            f"jax.mesh={mesh_axes}: jax.mesh.context cannot be -1; give the context degree (ranks one "
+            "sequence is split over) and let data or fsdp take the devices left"
         )
     ep = sizes[EXPERT_AXIS]
     if n % ep:
@@ -196,7 +222,8 @@ def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
             f"jax.mesh={mesh_axes} needs {fixed} devices but {n} are visible; "
             f"make the product {n} or set one axis to -1"
         )
-    axes = tuple(a for a in MESH_AXES if a != EXPERT_AXIS or ep > 1)
+    optional = {EXPERT_AXIS: ep, CONTEXT_AXIS: sizes[CONTEXT_AXIS]}
+    axes = tuple(a for a in MESH_AXES if optional.get(a, 2) > 1)
     shape = tuple(sizes[a] for a in axes)
     # Auto axes: explicit placements of inputs and outputs, XLA propagates the rest.
     return jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=devices)
@@ -221,6 +248,57 @@ def check_mesh_for_spec(mesh: Mesh, spec: ModelSpec) -> None:
 
 def expert_size(mesh: Mesh) -> int:
     return mesh.shape.get(EXPERT_AXIS, 1)
+
+
+def context_size(mesh: Mesh) -> int:
+    return mesh.shape.get(CONTEXT_AXIS, 1)
+
+
+def context_layout(mesh: Mesh, sequence_length: int) -> ContextLayout | None:
+    """The zigzag split of a row over the mesh's context axis (None without one); a sequence the
+    degree cannot split is a one-line RecipeError."""
+    degree = context_size(mesh)
+    if degree == 1:
+        return None
+    try:
+        return ContextLayout(sequence_length, degree)
+    except ContextLayoutError as err:
+        raise RecipeError(f"jax.mesh.context={degree}: {err}") from None
+
+
+def check_mesh_for_sequence(mesh: Mesh, sequence_length: int) -> None:
+    """Refuse a context degree the sequence cannot be split by (before anything is written)."""
+    context_layout(mesh, sequence_length)
+
+
+def to_context_order(x: np.ndarray, mesh: Mesh) -> np.ndarray:
+    """``x`` [..., seq] with its columns in the context layout's order (unchanged without CP)."""
+    layout = context_layout(mesh, x.shape[-1])
+    return x if layout is None else layout.shard(x, axis=-1)
+
+
+def sequence_positions(mesh: Mesh, sequence_length: int) -> np.ndarray | None:
+    """[seq] int32: the true position of each column of a context-ordered row, the model's RoPE
+    positions (None without CP: the columns are the positions)."""
+    layout = context_layout(mesh, sequence_length)
+    return None if layout is None else layout.order.astype(np.int32)
+
+
+def hidden_spec(mesh: Mesh) -> P:
+    """Where the residual stream [B, S, d_model] lives: batch over the data-parallel axes,
+    sequence over context."""
+    return P(batch_axes(mesh), CONTEXT_AXIS if context_size(mesh) > 1 else None, None)
+
+
+def context_setup(mesh: Mesh, spec: ModelSpec) -> ContextSetup | None:
+    """What the model's attention needs to run over the context axis (None without one); the
+    heads stay split over tensor inside it when both head counts divide the tensor size."""
+    degree = context_size(mesh)
+    if degree == 1:
+        return None
+    tensor = mesh.shape["tensor"]
+    heads = "tensor" if tensor > 1 and spec.n_heads % tensor == 0 and spec.kv_heads % tensor == 0 else None
+    return ContextSetup(mesh, batch_axes(mesh), degree, CONTEXT_AXIS, heads)
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -353,8 +431,16 @@ def state_shardings(state: Any, params_sharding: dict, mesh: Mesh) -> Any:
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """[accumulation, batch, seq] arrays: micro-steps unsplit, batch over (data, fsdp, expert)."""
-    return NamedSharding(mesh, P(None, batch_axes(mesh), None))
+    """[accumulation, batch, seq] arrays: micro-steps unsplit, batch over (data, fsdp, expert),
+    sequence over context."""
+    return NamedSharding(mesh, P(None, *hidden_spec(mesh)[:2]))
+
+
+def eval_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """[rows, seq] evaluation arrays: rows over the data-parallel axes when they divide (else
+    every device holds them all), sequence over context."""
+    split = batch_axes(mesh) if rows % dp_size(mesh) == 0 else None
+    return NamedSharding(mesh, P(split, CONTEXT_AXIS if context_size(mesh) > 1 else None))
 
 
 def to_micro_batches(local: np.ndarray, local_dp: int, accumulation: int) -> np.ndarray:
@@ -371,15 +457,17 @@ def global_batch_array(local: np.ndarray, mesh: Mesh, accumulation: int, global_
     """The global [accumulation, global_rows / accumulation, seq] array from this process's rows:
     those of the shards ``process_batch_shards`` names, in that order (the loader's rows for
     those ranks). Each device gets its shard's rows whichever process it is on, so devices of
-    one shard on several processes get the same rows."""
+    one shard on several processes get the same rows. Under context parallelism the columns are
+    put in the context layout's order first and each device gets its columns of those rows."""
     shards = process_batch_shards(mesh)
-    micro = to_micro_batches(local, len(shards), accumulation)
+    micro = to_micro_batches(to_context_order(local, mesh), len(shards), accumulation)
     per_device = micro.shape[1] // len(shards)
     column = {d: i * per_device for i, d in enumerate(shards)}
 
     def rows_of(index: tuple[slice, ...] | None) -> np.ndarray:
         first = column[_first_row(index, 1) // per_device]
-        return micro[:, first : first + per_device]
+        columns = slice(None) if index is None else index[2]
+        return micro[:, first : first + per_device, columns]
 
     shape = (accumulation, global_rows // accumulation, local.shape[1])
     return jax.make_array_from_callback(shape, batch_sharding(mesh), rows_of)

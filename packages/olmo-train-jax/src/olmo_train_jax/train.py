@@ -155,15 +155,28 @@ def make_step_functions(
     routing = recipe.moe.routing if spec.moe is not None else "learned"
     seed_key = jax.random.key(recipe.train.seed)
     dp = sharding.dp_size(mesh)  # batch rows split over this many devices (head_loss chunking)
+    cp = sharding.context_size(mesh)  # the sequence split over this many (context parallelism)
+
+    def positions_of(input_ids):
+        # Under CP the columns are in the context layout's order: each one's true position.
+        order = sharding.sequence_positions(mesh, input_ids.shape[-1])
+        return None if order is None else jnp.asarray(order)
 
     def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation, routing_key):
         model = nnx.merge(graphdef, params)
         hidden, moe_stats = model.forward_with_aux(
-            input_ids, doc_ids if masking else None, routing=routing, routing_key=routing_key, head=False
+            input_ids,
+            doc_ids if masking else None,
+            routing=routing,
+            routing_key=routing_key,
+            head=False,
+            positions=positions_of(input_ids),
         )
         # Head + CE + z-loss chunk by chunk, gradient included (head_loss.py): the full
         # [tokens, vocab] logits never exist.
-        objective, ce, z, _ = head_loss_sums(hidden, model.head_weight(), labels, z_weight, batch_shards=dp)
+        objective, ce, z, _ = head_loss_sums(
+            hidden, model.head_weight(), labels, z_weight, batch_shards=dp, seq_shards=cp
+        )
         loss = objective / n_tokens
         if moe_stats is not None:
             # Each micro-step's aux losses cover its global micro-batch; the step's aux term
@@ -242,8 +255,10 @@ def make_step_functions(
 
     def evaluate(params, input_ids, labels, doc_ids):
         model = nnx.merge(graphdef, params)
-        hidden, _ = model.forward_with_aux(input_ids, doc_ids if masking else None, head=False)
-        _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight, batch_shards=dp)
+        hidden, _ = model.forward_with_aux(
+            input_ids, doc_ids if masking else None, head=False, positions=positions_of(input_ids)
+        )
+        _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight, batch_shards=dp, seq_shards=cp)
         return ce, n
 
     batch_in = {k: batch_sh for k in BATCH_KEYS}
@@ -306,7 +321,8 @@ def for_mesh(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh: jax.shardi
     optimizer and the parameter / AdamW-state shardings."""
     model.batch_shards = sharding.dp_size(mesh)
     model.platform = mesh.devices.flat[0].platform
-    model.hidden_sharding = NamedSharding(mesh, P(sharding.batch_axes(mesh), None, None))
+    model.hidden_sharding = NamedSharding(mesh, sharding.hidden_spec(mesh))
+    model.context = sharding.context_setup(mesh, spec)  # sequence split over the context axis
     if spec.moe is not None:
         apply_expert_parallel(model, mesh, mxfp8=recipe.moe.mxfp8)
     graphdef, state = nnx.split(model)
@@ -382,6 +398,7 @@ def train(recipe: Recipe) -> RunPath:
             loader_size=sharding.dp_size(mesh),
             check_spec=partial(sharding.check_mesh_for_spec, mesh),
         )
+        sharding.check_mesh_for_sequence(mesh, plan.sequence_length)
         init_tensors = None
         if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
             from safetensors.numpy import load_file
@@ -401,12 +418,12 @@ def train(recipe: Recipe) -> RunPath:
 
 def _put_eval_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     """Every process holds the whole evaluation batch; split it over data-parallel devices when
-    its rows divide, else replicate it (a short last batch)."""
-    rows = batch["input_ids"].shape[0]
-    spec = P(sharding.batch_axes(mesh), None) if rows % sharding.dp_size(mesh) == 0 else P()
-    sh = NamedSharding(mesh, spec)
+    its rows divide, else replicate it (a short last batch); columns in the context layout's
+    order and split over the context axis under CP."""
+    sh = sharding.eval_sharding(mesh, batch["input_ids"].shape[0])
+    cols = {k: sharding.to_context_order(batch[k], mesh) for k in BATCH_KEYS}
     # ignore: mypy cannot infer a lambda whose default binds the array (one per key).
-    return {k: jax.make_array_from_callback(batch[k].shape, sh, lambda idx, a=batch[k]: a[idx]) for k in BATCH_KEYS}  # type: ignore[misc]
+    return {k: jax.make_array_from_callback(cols[k].shape, sh, lambda idx, a=cols[k]: a[idx]) for k in BATCH_KEYS}  # type: ignore[misc]
 
 
 class JaxTrainModule:
