@@ -32,11 +32,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model.maths import HEAD_CHUNK_BYTES
 
 from .precision import matmul_precision
 
-IGNORE_INDEX = -100
 # One chunk's float32 logits stay near this many bytes (shared with olmo-plan's memory model).
 CHUNK_BYTES = HEAD_CHUNK_BYTES
 

@@ -55,6 +55,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import Recipe
 from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
@@ -71,7 +72,6 @@ from .model import OlmoModel, build_model
 from .moe import MoEStats, aux_loss, moe_metrics
 
 FRAMEWORK = "jax"
-IGNORE_INDEX = -100
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (kept for parity).
 CLIP_EPS = 1e-6
 BATCH_KEYS = ("input_ids", "labels", "doc_ids")

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model.maths import HEAD_CHUNK_BYTES
 
-IGNORE_INDEX = -100
 # One chunk's float32 logits stay near this many bytes (shared with olmo-plan's memory model).
 CHUNK_BYTES = HEAD_CHUNK_BYTES
 

@@ -57,6 +57,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from olmo_data import MixtureLoader
+from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model import ModelSpec, resolve_device_kind
 from olmo_model.recipe import BatchLayout, Recipe
 from olmo_model.runlog import SpikeGuard, perplexity
@@ -92,7 +93,6 @@ from .parallelize import (
 )
 
 FRAMEWORK = "torch"
-IGNORE_INDEX = -100
 # torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); the JAX trainer writes the same.
 CLIP_EPS = 1e-6
 
