@@ -108,13 +108,13 @@ def test_converted_checkpoint_carries_the_training_state(runs):
         "attn.o_proj": ("o_proj", True),
         "attn.q_norm": ("q_norm", False),
         "attn.k_norm": ("k_norm", False),
-        "attn_norm": ("post_attention_norm", False),
+        "attn_norm": ("attn_norm", False),
         "mlp.gate_proj": ("gate_proj", True),
         "mlp.up_proj": ("up_proj", True),
         "mlp.down_proj": ("down_proj", True),
-        "mlp_norm": ("post_feedforward_norm", False),
+        "mlp_norm": ("mlp_norm", False),
     }
-    pairs = {"embed": (("embed",), False), "norm": (("final_norm",), False), "lm_head": (("lm_head",), True)}
+    pairs = {"embed": (("embed",), False), "final_norm": (("final_norm",), False), "lm_head": (("lm_head",), True)}
     for i in range(4):
         pairs.update({f"blocks.{i}.{k}": (("layers", name, i), t) for k, (name, t) in layer.items()})
     jax_state = ocp.StandardCheckpointer().restore((dst / "state").absolute())

@@ -186,7 +186,7 @@ def test_block_matches_torch_moe_block():
 
     block = TorchMoE(moe, spec.d_model, layer=0)
     with torch.no_grad():
-        block.gate.weight.copy_(torch.from_numpy(layer["gate.weight"]))
+        block.router.weight.copy_(torch.from_numpy(layer["gate.weight"]))
         for proj in ("gate_proj", "up_proj", "down_proj"):
             stacked = np.stack([layer[f"experts.{e}.{proj}.weight"] for e in range(moe.n_experts)])
             getattr(block.experts, proj).copy_(torch.from_numpy(stacked))

@@ -284,5 +284,5 @@ def test_non_strict_load_skips_missing_and_ignores_extra():
     del tensors["model.norm.weight"]
     tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(3)
     load_hf(model, tensors, strict=False)
-    assert torch.equal(model.norm.weight, torch.ones(spec.d_model))
+    assert torch.equal(model.final_norm.weight, torch.ones(spec.d_model))
     assert torch.equal(model.blocks[3].mlp.up_proj.weight, torch.full((spec.mlp_hidden, spec.d_model), 0.5))

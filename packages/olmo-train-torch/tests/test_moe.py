@@ -148,7 +148,7 @@ def test_block_gradients_match_dense_float64(gemm):
     ]
     out64, lb64, z64 = _dense_block64(
         x64,
-        leaves["gate.weight"],
+        leaves["router.weight"],
         leaves["experts.gate_proj"],
         leaves["experts.up_proj"],
         leaves["experts.down_proj"],
@@ -176,7 +176,7 @@ def test_model_gradients_match_finite_differences_of_numpy_reference():
     state = dict(model.named_parameters())
     # (HF name, index, our parameter, index): router, a routed expert, the shared expert, attention, head.
     probes = [
-        ("model.layers.0.mlp.gate.weight", (2, 5), "blocks.0.mlp.gate.weight", (2, 5)),
+        ("model.layers.0.mlp.gate.weight", (2, 5), "blocks.0.mlp.router.weight", (2, 5)),
         ("model.layers.1.mlp.experts.3.gate_proj.weight", (7, 11), "blocks.1.mlp.experts.gate_proj", (3, 7, 11)),
         ("model.layers.2.mlp.experts.6.down_proj.weight", (4, 9), "blocks.2.mlp.experts.down_proj", (6, 4, 9)),
         (
@@ -211,7 +211,7 @@ def test_hf_adapter_maps_per_expert_names_to_stacked_slices():
     np.testing.assert_array_equal(
         state["blocks.2.mlp.experts.up_proj"][5].numpy(), params["model.layers.2.mlp.experts.5.up_proj.weight"]
     )
-    np.testing.assert_array_equal(state["blocks.2.mlp.gate.weight"].numpy(), params["model.layers.2.mlp.gate.weight"])
+    np.testing.assert_array_equal(state["blocks.2.mlp.router.weight"].numpy(), params["model.layers.2.mlp.gate.weight"])
     back = to_hf(model, spec)
     assert list(back) == list(params)
     for name, value in params.items():
@@ -255,7 +255,7 @@ def test_random_routing_is_near_uniform_and_leaves_the_router_untrained():
     assert float(counts.max() / counts.mean()) < 1.2
     assert int(counts.sum()) == 2048 * 4
     out.square().sum().backward()
-    assert block.gate.weight.grad is None
+    assert block.router.weight.grad is None
     assert block.experts.gate_proj.grad is not None
     # The same (seed, step, micro-step, layer) draws the same routing; another step draws another.
     again = block(x)[1].tokens_per_expert
@@ -300,7 +300,7 @@ def test_imbalanced_router_shows_in_rank_load_while_nothing_is_dropped():
     direction /= direction.norm()
     with torch.no_grad():
         # Experts 0-3 (rank 0 of 4 with 16 experts) read the tokens' common component.
-        block.gate.weight[:4] += 4.0 * direction
+        block.router.weight[:4] += 4.0 * direction
     x = 3.0 * direction + 0.3 * torch.randn(512, 64)
     out, stats = block(x)
     metrics = moe_step_metrics(moe_aux_losses([stats]), ep_size=4)
@@ -314,7 +314,7 @@ def test_imbalanced_router_shows_in_rank_load_while_nothing_is_dropped():
     # Dropless: the sorted path equals the dense float64 block on every token.
     dense, _, _ = _dense_block64(
         x.double(),
-        block.gate.weight.double(),
+        block.router.weight.double(),
         block.experts.gate_proj.double(),
         block.experts.up_proj.double(),
         block.experts.down_proj.double(),

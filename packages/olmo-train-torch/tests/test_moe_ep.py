@@ -79,7 +79,7 @@ def _block_case(imbalanced: bool) -> dict:
     if imbalanced:
         direction = torch.nn.functional.normalize(torch.randn(64), dim=0)
         with torch.no_grad():
-            full.gate.weight[:4] += 4.0 * direction  # experts 0-3 live on rank 0
+            full.router.weight[:4] += 4.0 * direction  # experts 0-3 live on rank 0
         x = 3.0 * direction + 0.3 * x
     upstream = torch.randn(EP * 24, 64)
     block = copy.deepcopy(full)

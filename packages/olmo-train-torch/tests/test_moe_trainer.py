@@ -208,7 +208,7 @@ def test_recipe_moe_knobs_reach_the_blocks():
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     assert len(blocks) == LAYERS
     assert all(
-        b.routing == "random" and b.routing_seed == recipe.train.seed and not b.gate.weight.requires_grad
+        b.routing == "random" and b.routing_seed == recipe.train.seed and not b.router.weight.requires_grad
         for b in blocks
     )
     assert all(m.mxfp8 for m in model.modules() if isinstance(m, GroupedExperts))

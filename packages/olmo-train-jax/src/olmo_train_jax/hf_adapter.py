@@ -40,11 +40,11 @@ _LAYER: dict[str, tuple[str, bool]] = {
     "self_attn.o_proj.weight": ("o_proj", True),
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
-    "post_attention_layernorm.weight": ("post_attention_norm", False),
+    "post_attention_layernorm.weight": ("attn_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
-    "post_feedforward_layernorm.weight": ("post_feedforward_norm", False),
+    "post_feedforward_layernorm.weight": ("mlp_norm", False),
 }
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.(experts|shared_experts)\.(\d+)\.(gate|up|down)_proj\.weight")

@@ -273,7 +273,7 @@ class StackedLayers(nnx.Module):
         elif spec.qk_norm == "per_head":
             self.q_norm = _ones((L, spec.head_dim), param_dtype)
             self.k_norm = _ones((L, spec.head_dim), param_dtype)
-        self.post_attention_norm = _ones((L, d), param_dtype)
+        self.attn_norm = _ones((L, d), param_dtype)
         if spec.moe is None:
             self.gate_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
             self.up_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
@@ -291,7 +291,7 @@ class StackedLayers(nnx.Module):
                 self.shared_gate_proj = _truncated_normal(rngs, (L, d, sh), spec, param_dtype)
                 self.shared_up_proj = _truncated_normal(rngs, (L, d, sh), spec, param_dtype)
                 self.shared_down_proj = _truncated_normal(rngs, (L, sh, d), spec, param_dtype)
-        self.post_feedforward_norm = _ones((L, d), param_dtype)
+        self.mlp_norm = _ones((L, d), param_dtype)
 
     def arrays(self) -> dict[str, jax.Array]:
         """The stacked weights as a plain dict, the pytree that lax.scan slices per layer."""
@@ -486,7 +486,7 @@ class OlmoModel(nnx.Module):
 
         # norm_placement: reordered (Olmo 3) normalises each sublayer's output, pre its input.
         pre_norm = spec.norm_placement == "pre"
-        a = norm(x, w["post_attention_norm"]) if pre_norm else x
+        a = norm(x, w["attn_norm"]) if pre_norm else x
         q, k, v = proj(a, "q_proj"), proj(a, "k_proj"), proj(a, "v_proj")
         if spec.qk_norm == "full":
             q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
@@ -501,11 +501,11 @@ class OlmoModel(nnx.Module):
         else:
             attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards, self.platform)
         o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
-        h = x + (o if pre_norm else norm(o, w["post_attention_norm"]))
-        m_in = norm(h, w["post_feedforward_norm"]) if pre_norm else h
+        h = x + (o if pre_norm else norm(o, w["attn_norm"]))
+        m_in = norm(h, w["mlp_norm"]) if pre_norm else h
 
         def finish(mlp):
-            return h + (mlp if pre_norm else norm(mlp, w["post_feedforward_norm"]))
+            return h + (mlp if pre_norm else norm(mlp, w["mlp_norm"]))
 
         if spec.moe is None:
             return finish(

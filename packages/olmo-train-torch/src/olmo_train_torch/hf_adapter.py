@@ -3,7 +3,8 @@
 HF names and shapes come from ``olmo_model.hf_param_shapes(spec)``. MoE layers keep
 their routed experts stacked (``blocks.N.mlp.experts.gate_proj`` [E, hidden, d], the
 grouped-GEMM layout), so HF's per-expert ``mlp.experts.{e}.gate_proj.weight`` is slice
-``e`` of it; router and shared experts map 1:1. Every tensor is
+``e`` of it; the router is ``blocks.N.mlp.router`` (HF's ``mlp.gate``) and the shared experts
+keep their HF names. Every tensor is
 checked (``olmo_model.validate_hf_tensors``: present, expected, right shape, right vocab)
 before anything is copied, so a bad checkpoint leaves the model untouched and raises one
 ``CheckpointMismatchError`` line naming the tensor, what was expected, what was found and
@@ -48,11 +49,12 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
     "post_feedforward_layernorm.weight": "mlp_norm.weight",
+    "mlp.gate.weight": "mlp.router.weight",
 }
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
-    "model.norm.weight": "norm.weight",
+    "model.norm.weight": "final_norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
 # This package's name for olmo_model's error: one type, whichever side finds the mismatch.
@@ -66,7 +68,7 @@ def _local_name(hf_name: str) -> tuple[str, int | None]:
     expert = _EXPERT.fullmatch(rest)
     if expert is not None:
         return f"blocks.{layer}.mlp.experts.{expert.group(2)}", int(expert.group(1))
-    # MoE router and shared experts keep their HF names inside the block.
+    # Shared experts keep their HF names inside the block.
     return f"blocks.{layer}.{_LAYER_NAMES.get(rest, rest)}", None
 
 

@@ -26,7 +26,7 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
 
 Module layout (names map 1:1 to the HF layout in ``hf_adapter``): ``embed``,
 ``blocks`` (one ``Block`` per layer, the unit a parallelize module shards or
-checkpoints), ``norm``, ``lm_head``. RoPE tables and masks are not buffers: they are
+checkpoints), ``final_norm``, ``lm_head``. RoPE tables and masks are not buffers: they are
 computed from the spec on the input's device and cached, so a model built on the
 meta device and materialised with ``to_empty`` needs no re-initialisation of them.
 """
@@ -242,7 +242,7 @@ class OlmoModel(nn.Module):
         self.blocks = nn.ModuleList(
             MoEBlock(spec, i) if spec.is_moe_layer(i) else Block(spec) for i in range(spec.n_layers)
         )
-        self.norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.final_norm = RMSNorm(spec.d_model, spec.norm_eps)
         self.lm_head = OutputHead(spec)
         # Derived from the spec, never parameters or buffers: RoPE tables keyed by
         # (yarn?, seq, device), band masks by (seq, window, device).
@@ -345,7 +345,7 @@ class OlmoModel(nn.Module):
                 moe_stats.append(stats)
             else:
                 x = out
-        out = self.lm_head(self.norm(x), labels)
+        out = self.lm_head(self.final_norm(x), labels)
         return (out, moe_stats) if return_moe_stats else out
 
 

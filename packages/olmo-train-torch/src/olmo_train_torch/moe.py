@@ -287,7 +287,7 @@ def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
 
 
 class MoE(nn.Module):
-    """Router ``gate`` (an ``nn.Linear`` d -> E), routed ``experts`` and optional
+    """``router`` (an ``nn.Linear`` d -> E; HF's ``mlp.gate``), routed ``experts`` and optional
     ``shared_experts``; ``forward(x [..., d]) -> (out [..., d], RoutingStats)``.
 
     ``dispatcher`` is None for local experts; ``expert_parallel.apply_expert_parallel``
@@ -297,7 +297,7 @@ class MoE(nn.Module):
         super().__init__()
         self.spec = moe
         self.layer = layer
-        self.gate = nn.Linear(d_model, moe.n_experts, bias=False)
+        self.router = nn.Linear(d_model, moe.n_experts, bias=False)
         self.experts = GroupedExperts(moe.n_experts, d_model, moe.expert_hidden)
         self.shared_experts = nn.ModuleList(SwiGLU(d_model, moe.shared_hidden) for _ in range(moe.n_shared_experts))
         self.routing: RoutingMode = "learned"
@@ -329,7 +329,7 @@ class MoE(nn.Module):
         router_in = tokens if learned else tokens.detach()
         # The router runs in float32 even under bf16 autocast (the contract's fp32 logits).
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(router_in.float(), self.gate.weight.float())
+            logits = F.linear(router_in.float(), self.router.weight.float())
         if not learned:
             logits = logits.detach()
         generator = self._generator(x.device) if self.routing == "random" else None
@@ -484,7 +484,7 @@ def configure_moe(
         raise ValueError(f"dp_rank={dp_rank} is outside the {dp_size} data-parallel ranks; pass 0 <= dp_rank < dp_size")
     for m in moe_modules(model):
         m.routing, m.routing_seed, m.dp_rank, m.dp_size = routing, seed, dp_rank, dp_size
-        m.gate.weight.requires_grad_(routing == "learned")
+        m.router.weight.requires_grad_(routing == "learned")
         m.experts.gemm, m.experts.mxfp8 = gemm, mxfp8
 
 

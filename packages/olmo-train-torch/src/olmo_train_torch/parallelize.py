@@ -284,7 +284,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str, ignored: set[
     shard(model.embed)
     for block in cast(nn.ModuleList, model.blocks):
         shard(block)
-    shard([model.norm, model.lm_head], reshard_after_forward=False)
+    shard([model.final_norm, model.lm_head], reshard_after_forward=False)
     shard(model)
 
 
