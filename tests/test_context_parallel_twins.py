@@ -1,0 +1,77 @@
+"""The two trainers agree under context parallelism as they do without it: the same recipe (spec
+"tiny": sliding window 32 on layers 0-2, global layer 3; sequences of 128, so at context degree 2
+the four 32-token chunks make every sliding window reach into the other rank's chunk; document
+masking on), the same initial weights (both draw them from ``olmo_model.init`` for the seed), the
+embedded sample mixture, fp32, run by each trainer's real entry point at context degree 2:
+olmo-train-torch as two gloo processes (torchrun), olmo-train-jax on two simulated CPU devices.
+
+Reference: each trainer's own CP=1 run of the same recipe, and the threshold the unsplit twins are
+held to (``olmo-parity train``: per-step |loss difference| <= 1e-4, tools/tests/test_train_parity.py).
+The torch and JAX CP runs must each be within 1e-5 of their own CP=1 run (the packages' CP tests'
+bound: CP only reorders sums), and within 1e-4 of each other.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from olmo_model.runlog import read_metrics
+
+STEPS = 8
+RECIPE = [
+    "--model=tiny",
+    "--train.sequence_length=128",
+    "--train.global_batch_tokens=512",  # 4 sequences: 2 per data-parallel rank at CP=1 on 2 ranks
+    f"--train.steps={STEPS}",
+    "--train.precision=fp32",
+    "--train.document_masking=true",
+    "--train.seed=5",
+    "--optim.lr=1e-3",
+    f"--eval.every={STEPS}",
+    f"--checkpoint.every={STEPS}",
+    "--checkpoint.async_save=false",
+    "--log.progress=false",
+]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def run(framework: str, run_dir: Path, context: int) -> dict[int, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
+    args = [*RECIPE, f"--run_dir={run_dir}"]
+    if framework == "torch":
+        args += ["--torch.parallel=fsdp", f"--torch.context_parallel={context}"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        command += ["-m", "olmo_train_torch", *args]
+    else:
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        mesh = ["--jax.mesh.data=1", "--jax.mesh.context=2"] if context == 2 else ["--jax.mesh.data=2"]
+        command = [sys.executable, "-m", "olmo_train_jax", *args, *mesh]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory) -> dict[tuple[str, int], dict[int, float]]:
+    root = tmp_path_factory.mktemp("cp-twins")
+    return {(fw, c): run(fw, root / f"{fw}-cp{c}", c) for fw in ("torch", "jax") for c in (1, 2)}
+
+
+def test_each_trainer_under_cp_matches_its_unsplit_run(losses):
+    for fw in ("torch", "jax"):
+        split, whole = losses[(fw, 2)], losses[(fw, 1)]
+        assert sorted(split) == list(range(1, STEPS + 1))
+        assert max(abs(split[s] - whole[s]) for s in whole) <= 1e-5, fw
+
+
+def test_the_twins_agree_under_cp_as_without_it(losses):
+    for c in (1, 2):
+        t, j = losses[("torch", c)], losses[("jax", c)]
+        assert max(abs(t[s] - j[s]) for s in t) <= 1e-4, c
+    # Not a flat line: both learn.
+    assert losses[("torch", 2)][STEPS] < losses[("torch", 2)][1] - 0.1
