@@ -35,6 +35,7 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -311,21 +312,34 @@ def test_activation_memory_falls_with_context_degree():
     sequence per data-parallel rank. Per-token activations divide by C; what does not is a global
     layer's gathered K and V of the whole sequence (the exchange), so each doubling of C must at
     least halve the activations up to that: act(2C) <= act(C) / 2 + gathered K/V bytes."""
-    from olmo_model.recipe import Recipe
-    from olmo_train_torch.dry_run import dry_run
-
     seq = 4096
     spec = cp_spec()
+    # In a process of its own: a dry run leaves DTensor state (its fake 4-rank meshes) that a
+    # process forked from this one afterwards would inherit (test_meta_init starts ranks by fork).
+    code = textwrap.dedent(
+        f"""
+        import json
+        from olmo_model.recipe import Recipe
+        from olmo_train_torch.dry_run import dry_run
+        out = {{}}
+        for cp in (1, 2, 4):
+            recipe = Recipe(
+                model=json.loads({json.dumps(spec.model_dump_json())}),
+                train={{"steps": 1, "sequence_length": {seq}, "global_batch_tokens": {seq} * 4 // cp,
+                       "precision": "fp32"}},
+                torch={{"context_parallel": cp}},
+            )
+            r = dry_run(recipe, "h100", 4)
+            out[cp] = [r.per_device_batch, r.mesh.get("context", 1), r.memory_bytes["activations"]]
+        print(json.dumps(out))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     acts = {}
-    for cp in (1, 2, 4):
-        recipe = Recipe(
-            model=spec.model_dump(mode="json"),
-            train={"steps": 1, "sequence_length": seq, "global_batch_tokens": seq * 4 // cp, "precision": "fp32"},
-            torch={"context_parallel": cp},
-        )
-        report = dry_run(recipe, "h100", 4)
-        assert report.per_device_batch == 1 and report.mesh.get("context", 1) == cp
-        acts[cp] = report.memory_bytes["activations"]
+    for cp, (batch, context, activations) in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        assert batch == 1 and context == int(cp)
+        acts[int(cp)] = activations
     gathered_kv = 2 * seq * spec.kv_width * 4  # K and V of the whole sequence, fp32
     assert acts[2] <= acts[1] / 2 + gathered_kv, acts
     assert acts[4] <= acts[2] / 2 + gathered_kv, acts
