@@ -37,8 +37,7 @@ RECIPE = [
     "--checkpoint.async_save=false",
     "--log.progress=false",
 ]
-# One xdist worker runs this file (the addopts' --dist loadgroup), so its module fixture runs once.
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.xdist_group("context-parallel-twins")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(framework: str, run_dir: Path, context: int) -> dict[int, float]:

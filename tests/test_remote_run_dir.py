@@ -31,8 +31,7 @@ from olmo_model.storage import URLPath, local_copy
 ROOT = Path(__file__).resolve().parents[1]
 
 pytest_plugins = ["object_store"]
-# One xdist worker runs this file (the addopts' --dist loadgroup), so its module fixture runs once.
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.xdist_group("remote-run-dir")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 STEPS = 4
 ARGS = [

@@ -37,9 +37,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# One xdist worker runs this file (the addopts' --dist loadgroup), so its module fixture runs once.
-pytestmark = pytest.mark.xdist_group("jax-context-parallel")
-
 STEPS = 20
 SEQ = 256
 ROWS = 4

@@ -44,9 +44,6 @@ import pytest
 from olmo_model import get_preset
 from olmo_model.context import ContextLayout
 
-# One xdist worker runs this file (the addopts' --dist loadgroup), so its module fixture runs once.
-pytestmark = pytest.mark.xdist_group("torch-context-parallel")
-
 SEQ = 128
 WINDOW = 24
 ROWS = 4  # sequences of the forward checks
