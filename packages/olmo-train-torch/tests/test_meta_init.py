@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -82,7 +81,7 @@ def _connect(rank: int, world: int, port: int) -> Distributed:
     return Distributed(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), initialized=True)
 
 
-def _layout_worker(rank: int, world: int, port: int, tmp: str) -> None:
+def _layout_worker(rank: int, port: int, world: int, tmp: str) -> None:
     d = _connect(rank, world, port)
     try:
         if world == 4:
@@ -158,10 +157,7 @@ def _check_hf_init(d: Distributed, tmp: str) -> None:
 
 
 def _spawn(world: int, tmp) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_layout_worker, args=(world, port, str(tmp)), nprocs=world, join=True, start_method="fork")
+    start_ranks(_layout_worker, world, world, str(tmp))
 
 
 def test_build_model_holds_the_neutral_init():

@@ -5,15 +5,15 @@ AdamW steps of the tiny-moe model, whose losses must follow the EP=1 run within 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ranks import start_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -44,18 +44,8 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
-    # fork: the workers inherit the imported modules and the objects built here (a
-    # spawned child would re-import torch and this test module, slow on a shared machine).
-    # assert_close imports its helpers lazily, ~20 s per process on a busy machine: once here.
-    torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
-    mp.start_processes(fn, args=(_free_port(), *args), nprocs=EP, join=True, start_method="fork")
+    start_ranks(fn, EP, *args)
 
 
 def _init(rank: int, port: int) -> None:
@@ -87,6 +77,8 @@ def _block_case(imbalanced: bool) -> dict:
     aux = moe_aux_losses([stats])
     ((out * upstream).sum() + 0.5 * aux.load_balancing + 0.25 * aux.router_z).backward()
     grads = {name: p.grad for name, p in full.named_parameters()}
+    # The ranks get the reference as data (autograd does not cross process boundaries).
+    aux = dataclasses.replace(aux, **{f.name: getattr(aux, f.name).detach() for f in dataclasses.fields(aux)})
     return dict(imbalanced=imbalanced, block=block, x=x, upstream=upstream, out=out.detach(), aux=aux, grads=grads)
 
 

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import start_ranks
 
 from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import RecipeError, batch_layout, load_recipe
@@ -145,7 +144,7 @@ def test_check_parallel_accepts_divisors():
         check_parallel(load_recipe(None, [*MOE, "--torch.expert_parallel=2"]).torch, 1, spec)
 
 
-# ---- routing does not depend on the layout (train_step, forked gloo workers) -----------------------
+# ---- routing does not depend on the layout (train_step, gloo ranks from the fork server) -----------------------
 
 ROWS, SEQ = 4, 33  # one global micro-batch of 132 tokens; 33 per rank on 4 ranks (odd: see below)
 LAYERS, E, K = 4, 8, 4  # tiny-moe
@@ -246,7 +245,4 @@ def test_uniform_and_random_routing_do_not_depend_on_the_rank_layout():
     assert by_hand == [LAYERS * 66] * E
     assert want["uniform"]["counts"] == by_hand
     assert sum(want["random"]["counts"]) == LAYERS * slots and want["random"]["counts"] != by_hand
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, want), nprocs=4, join=True, start_method="fork")
+    start_ranks(_worker, 4, want)
