@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from olmo_data import open_training_mixture
+from olmo_data.digest import batch_digest
 from olmo_model.runlog import read_metrics
 
 STEPS = 8
@@ -53,13 +55,18 @@ def run(framework: str, run_dir: Path, context: int) -> dict[int, float]:
         command = [sys.executable, "-m", "olmo_train_jax", *args, *mesh]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"}
+    return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
 
 
 @pytest.fixture(scope="module")
-def losses(tmp_path_factory) -> dict[tuple[str, int], dict[int, float]]:
+def records(tmp_path_factory) -> dict[tuple[str, int], dict[int, dict]]:
     root = tmp_path_factory.mktemp("cp-twins")
     return {(fw, c): run(fw, root / f"{fw}-cp{c}", c) for fw in ("torch", "jax") for c in (1, 2)}
+
+
+@pytest.fixture(scope="module")
+def losses(records) -> dict[tuple[str, int], dict[int, float]]:
+    return {key: {s: r["loss"] for s, r in by_step.items()} for key, by_step in records.items()}
 
 
 def test_each_trainer_under_cp_matches_its_unsplit_run(losses):
@@ -75,3 +82,13 @@ def test_the_twins_agree_under_cp_as_without_it(losses):
         assert max(abs(t[s] - j[s]) for s in t) <= 1e-4, c
     # Not a flat line: both learn.
     assert losses[("torch", 2)][STEPS] < losses[("torch", 2)][1] - 0.1
+
+
+def test_every_run_logs_the_data_packages_digest_of_each_global_batch(records):
+    """Both trainers, with and without CP (each process hashes its own rows, a CP pair's rows
+    count once), log at step s the digest olmo-data computes for global batch s - 1."""
+    mixture = open_training_mixture("sample", sequence_length=128)
+    want = {s: batch_digest(mixture.order.global_batch(s - 1, 4), s - 1, 0) for s in range(1, STEPS + 1)}
+    assert len(set(want.values())) == STEPS
+    for key, by_step in records.items():
+        assert {s: r["batch_digest"] for s, r in by_step.items()} == want, key

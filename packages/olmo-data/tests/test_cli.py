@@ -13,7 +13,8 @@ import pytest
 from test_mixture_support import random_docs, two_source_mixture, write_shard
 
 from olmo_data import load_mixture
-from olmo_data.cli import combine_digests, main
+from olmo_data.cli import main
+from olmo_data.digest import combine_digests
 
 
 @pytest.fixture(autouse=True)

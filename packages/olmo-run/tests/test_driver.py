@@ -10,6 +10,7 @@ metrics.jsonl."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import resource
@@ -20,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from olmo_data import load_mixture
 from olmo_model import flops_per_token
 from olmo_model.recipe import RecipeError, load_recipe
 from olmo_model.runlog import (
@@ -110,11 +112,26 @@ class NumpyModule:
     def stop_trace(self) -> None:
         self.calls.append("trace stop")
 
+    def all_gather_text(self, text: str) -> list[str]:
+        # Two processes reading the same rows (a context-parallel pair) send the same line.
+        return [text, text]
+
     def close(self) -> None:
         if self.pending is not None:
             commit_checkpoint(checkpoint_dir(self.plan.run_dir, self.pending), self.meta)
             self.calls.append(f"commit {self.pending}")
             self.pending = None
+
+
+def reference_digest(batch: dict[str, np.ndarray], step: int) -> str:
+    """olmo_data.digest's definition, written out: the sum of the rows' sha256 of (step, row,
+    int64) then input_ids, labels, doc_ids, positions (int32), modulo 2**256."""
+    total = 0
+    for row in range(batch["input_ids"].shape[0]):
+        data = np.array([step, row], "<i8").tobytes()
+        data += b"".join(batch[k][row].astype("<i4").tobytes() for k in ("input_ids", "labels", "doc_ids", "positions"))
+        total += int(hashlib.sha256(data).hexdigest(), 16)
+    return format(total % 2**256, "064x")
 
 
 def recipe_for(mixture: Path, run_dir: Path, *extra: str):
@@ -174,8 +191,10 @@ def test_train_lines_cadence_and_checkpoints(mixture, tmp_path, capsys):
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     weight = 1.0
+    order = load_mixture(mixture).order
     for r in train:
         assert tuple(r)[: len(TRAIN_KEYS)] == TRAIN_KEYS and tuple(r)[len(TRAIN_KEYS) :] == ("weight",)
+        assert r["batch_digest"] == reference_digest(order.global_batch(r["step"] - 1, 8), r["step"] - 1)
         lr = recipe.schedule.lr(r["step"], recipe.optim.lr, STEPS)
         weight -= lr
         assert r["lr"] == lr and r["weight"] == pytest.approx(weight, abs=1e-15)

@@ -8,17 +8,13 @@
 
 MIX is a mixture YAML path or `sample`. Example: `uv run --frozen olmo-data inspect sample`.
 
-Batch digests (`batches --digest`): each row's digest is the sha256 of (step, global row
-index, as int64 little-endian) followed by that row's input_ids, labels, doc_ids and
-positions as int32 little-endian; a line's digest is the sum of its rows' digests modulo
-2**256, in hex. It is order-sensitive (the row index is hashed) and additive, so the
-digests that R ranks print for a step add up (`combine_digests`) to the global digest.
+Batch digests (`batches --digest`): `olmo_data.digest`'s additive digest of each global batch
+(0-based), the value both trainers log as `batch_digest` at the 1-based step that trains it.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -30,29 +26,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from olmo_data.digest import batch_digest, combine_digests
 from olmo_data.errors import DataError
 from olmo_data.leakage import LeakageError, assert_no_leakage, check_leakage
 from olmo_data.loader import MixtureLoader
 from olmo_data.mixture import Mixture, load_mixture
-from olmo_data.order import BATCH_KEYS
-
-_DIGEST_MODULUS = 1 << 256
-
-
-def batch_digest(batch: dict[str, np.ndarray], step: int, first_row: int) -> str:
-    """The additive digest (module docstring) of rows first_row.. of global batch `step`."""
-    total = 0
-    for r in range(batch["input_ids"].shape[0]):
-        h = hashlib.sha256(np.array([step, first_row + r], "<i8").tobytes())
-        for k in BATCH_KEYS:
-            h.update(np.ascontiguousarray(batch[k][r], "<i4").tobytes())
-        total += int.from_bytes(h.digest(), "big")
-    return f"{total % _DIGEST_MODULUS:064x}"
-
-
-def combine_digests(digests: list[str]) -> str:
-    """The digest of the union of disjoint row sets (e.g. all ranks of one step)."""
-    return f"{sum(int(d, 16) for d in digests) % _DIGEST_MODULUS:064x}"
 
 
 def describe(mixture: Mixture) -> dict[str, Any]:

@@ -64,6 +64,7 @@ TRAIN_KEYS = (
     "memory_gib",  # device memory in use on process 0 after the step (host RSS on CPU)
     "memory_peak_gib",  # the peak of that since the process started
     "memory_kind",  # "device" or "host_rss": what the two memory figures measure
+    "batch_digest",  # olmo_data.digest of the global batch this step trained (step - 1)
     "time",
 )
 

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from olmo_data import Mixture, MixtureLoader, open_training_mixture
+from olmo_data.digest import combine_digests, loader_rows, rows_digest
 from olmo_model import ModelSpec, flops_per_token, mfu
 from olmo_model.init_source import InitSource, resolve_init
 from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
@@ -195,6 +196,10 @@ class TrainModule(Protocol):
         """Finish (commit) any save in flight and release the trainer's resources."""
         ...
 
+    def all_gather_text(self, text: str) -> list[str]:
+        """Every process's ``text``, in process order, on every process."""
+        ...
+
 
 def check_shared_run_dir(
     run_dir: RunPath, process_index: int, process_count: int, all_gather: Callable[[str], list[str]]
@@ -313,8 +318,17 @@ class Run:
         elif plan.init is not None:
             console.line(plan.init.describe())
 
+    def batch_digest(self, batch: dict[str, np.ndarray], step: int) -> str:
+        """The digest of global batch ``step - 1`` (``olmo_data.digest``): each process hashes its
+        own rows, and the processes exchange one line each, not rows. Processes that read the
+        same rows (a context-parallel group) send the same line, counted once."""
+        loader = self.plan.loader
+        rows = loader_rows(loader.dp_ranks, loader.global_batch_size, loader.dp_size)
+        mine = f"{','.join(map(str, loader.dp_ranks))}:{rows_digest(batch, step - 1, rows)}"
+        return combine_digests(line.split(":")[1] for line in sorted(set(self.module.all_gather_text(mine))))
+
     def train_record(
-        self, step: int, lr: float, result: StepResult, step_time: float, data_wait: float
+        self, step: int, lr: float, result: StepResult, step_time: float, data_wait: float, digest: str
     ) -> dict[str, Any]:
         """The train line: exactly ``TRAIN_KEYS``, then the trainer's extras."""
         n = self.module.n_devices
@@ -341,6 +355,7 @@ class Run:
             in_use / 2**30,
             peak_bytes / 2**30,
             memory_kind,
+            digest,
             time.time() - self.started,
         )
         return {**dict(zip(TRAIN_KEYS, values, strict=True)), **result.extra}
@@ -375,8 +390,10 @@ class Run:
         for sink in self.sinks:
             sink.write(record)
 
-    def log(self, step: int, lr: float, result: StepResult, step_time: float, data_wait: float) -> None:
-        record = self.train_record(step, lr, result, step_time, data_wait)
+    def log(
+        self, step: int, lr: float, result: StepResult, step_time: float, data_wait: float, batch: dict[str, np.ndarray]
+    ) -> None:
+        record = self.train_record(step, lr, result, step_time, data_wait, self.batch_digest(batch, step))
         self.write(record)
         self.console.line(
             f"step {step}/{self.plan.total_steps} loss {result.loss:.4f} lr {lr:.3e} grad_norm {result.grad_norm:.3f}"
@@ -399,7 +416,7 @@ class Run:
                 step_time = time.perf_counter() - t0
                 self.module.poll()
                 if step % r.log.every == 0 or step == total:
-                    self.log(step, lr, result, step_time, data_wait)
+                    self.log(step, lr, result, step_time, data_wait, batch)
                 self.console.advance(f"loss {result.loss:.4f}")
                 if step % r.checkpoint.every == 0 or step == total:
                     self.save(step)

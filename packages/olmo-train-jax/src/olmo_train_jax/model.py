@@ -53,7 +53,6 @@ holds no sharding: a trainer's sharding module places the parameters from outsid
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -62,8 +61,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from olmo_model import FULL, SLIDING, ModelSpec, YarnSpec
+from olmo_model import FULL, SLIDING, ModelSpec
 from olmo_model.moe import check_routing
+from olmo_model.rope import rope_inv_freq
 
 from .causal_attention import ContextSetup, blocked_causal_attention, context_attention
 from .layers import linear, rms_norm, swiglu_down
@@ -87,37 +87,6 @@ def _truncated_normal(rngs: nnx.Rngs, shape: tuple[int, ...], spec: ModelSpec, d
 
 def _ones(shape: tuple[int, ...], dtype) -> nnx.Param:
     return nnx.Param(jnp.ones(shape, dtype))
-
-
-def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[np.ndarray, float]:
-    """Inverse frequencies (float32, [head_dim // 2]) and the cos/sin scale for one layer kind.
-
-    Follows transformers' default and ``_compute_yarn_parameters`` (modeling_rope_utils.py),
-    including the float32 arithmetic and the floor/ceil truncation of the correction range."""
-    dim = spec.head_dim
-    pos_freqs = np.float32(spec.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
-    if yarn is None:
-        return inv_freq, 1.0
-    base, orig = spec.rope_theta, yarn.original_max_position_embeddings
-
-    def correction_dim(rotations: float) -> float:
-        # The dimension whose wavelength fits `rotations` times into the original context.
-        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-    extrapolation = np.float32(1.0) - ramp  # 1: keep the original frequency (high-frequency dims)
-    interpolated = (np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)).astype(np.float32)
-    inv_freq = (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
-    if yarn.attention_factor is not None:
-        scale = yarn.attention_factor
-    else:
-        scale = 0.1 * math.log(yarn.factor) + 1.0  # YaRN paper's sqrt(1/t), transformers' default
-    return inv_freq, scale
 
 
 def _cos_sin(inv_freq: np.ndarray, scale: float, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

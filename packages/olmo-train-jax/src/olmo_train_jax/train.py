@@ -57,6 +57,7 @@ from jax.sharding import PartitionSpec as P
 
 from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model import ModelSpec, resolve_device_kind
+from olmo_model.decay import decay_group, group_weight_decay
 from olmo_model.recipe import Recipe
 from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
 from olmo_model.storage import RunPath
@@ -98,15 +99,12 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def decay_mask(params: dict, recipe: Recipe) -> dict:
-    """True where AdamW applies weight decay (Olmo 3: not on the input embedding)."""
+    """True where AdamW applies weight decay: ``olmo_model.decay``'s groups, by parameter name
+    (Olmo 3: not on the input embedding)."""
 
-    def decays(path, _):
-        name = path[-1].key
-        if name == "embed":
-            return recipe.optim.decay_embeddings
-        if name.endswith("norm"):
-            return recipe.optim.decay_norms
-        return True
+    def decays(path, _) -> bool:
+        name = ".".join(str(getattr(k, "key", k)) for k in path)
+        return group_weight_decay(decay_group(name), recipe.optim) > 0
 
     return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -531,6 +529,9 @@ class JaxTrainModule:
 
     def stop_trace(self) -> None:
         jax.profiler.stop_trace()
+
+    def all_gather_text(self, text: str) -> list[str]:
+        return sharding.all_gather_text(text)
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -33,7 +33,6 @@ meta device and materialised with ``to_empty`` needs no re-initialisation of the
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -41,7 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from olmo_model import ModelSpec, YarnSpec
+from olmo_model import ModelSpec
+from olmo_model.rope import rope_inv_freq
 
 from .head_loss import head_loss_sums
 from .moe import MoE, RoutingStats
@@ -58,35 +58,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * x32).to(x.dtype)
-
-
-def rope_inv_freq(spec: ModelSpec, yarn: YarnSpec | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32, head_dim/2) and the cos/sin scale for one layer kind.
-
-    YaRN follows transformers' ``_compute_yarn_parameters``: frequencies rotating more
-    than beta_fast times over the original context keep their value, those rotating
-    fewer than beta_slow times are divided by ``factor``, with a linear ramp between
-    (boundaries floored/ceiled); cos/sin are scaled by 0.1 ln(factor) + 1 unless given."""
-    dim = spec.head_dim
-    base = spec.rope_theta
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    inv_freq = 1.0 / pos_freqs
-    if yarn is None:
-        return inv_freq, 1.0
-
-    def correction_dim(rotations: float) -> float:
-        turns = yarn.original_max_position_embeddings / (rotations * 2 * math.pi)
-        return dim * math.log(turns) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
-    high: float = min(math.ceil(correction_dim(yarn.beta_slow)), dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate (divided by factor)
-    inv_freq = (1.0 / (yarn.factor * pos_freqs)) * (1 - keep) + inv_freq * keep
-    scale = yarn.attention_factor if yarn.attention_factor is not None else 0.1 * math.log(yarn.factor) + 1.0
-    return inv_freq, scale
 
 
 # An attention in place of scaled_dot_product_attention: (q [B,H,s,hd], k, v [B,Hkv,s,hd]) -> [B,H,s,hd].
@@ -260,7 +231,8 @@ class OlmoModel(nn.Module):
             # Cached tables outlive the call: made under inference_mode they could not
             # be saved for a later backward, so they are always made as normal tensors.
             with torch.inference_mode(False):
-                inv_freq, scale = rope_inv_freq(self.spec, yarn)
+                inv_freq_np, scale = rope_inv_freq(self.spec, yarn)
+                inv_freq = torch.from_numpy(inv_freq_np)
                 freqs = torch.arange(seq, dtype=torch.float32, device=device)[:, None] * inv_freq.to(device)
                 emb = torch.cat((freqs, freqs), dim=-1)
                 self._rope_cache[key] = (emb.cos() * scale, emb.sin() * scale)

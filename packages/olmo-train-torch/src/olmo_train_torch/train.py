@@ -41,7 +41,6 @@ RUN/checkpoints/latest or a run dir; weights, plus AdamW state with init.load_op
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from olmo_data import MixtureLoader
 from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model import ModelSpec, resolve_device_kind
+from olmo_model.decay import DECAY_GROUPS, decay_group, group_weight_decay
 from olmo_model.recipe import BatchLayout, Recipe
 from olmo_model.runlog import SpikeGuard, perplexity
 from olmo_model.storage import RunPath
@@ -67,9 +67,8 @@ from olmo_run.driver import check_shared_run_dir
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
-from .model import OlmoModel, RMSNorm
+from .model import OlmoModel
 from .moe import (
-    GroupedExperts,
     MoEAux,
     configure_moe,
     merge_micro_steps,
@@ -100,38 +99,20 @@ CLIP_EPS = 1e-6
 # ---- the maths of one step -------------------------------------------------------------------
 
 
-def weight_decays(recipe: Recipe) -> dict[str, float]:
-    """Weight decay per parameter group: every matrix decays (routed experts included); the
-    input embedding only with optim.decay_embeddings (Olmo 3: not); norm weights only with
-    optim.decay_norms."""
-    o = recipe.optim
-    return {
-        "matrices": o.weight_decay,
-        "experts": o.weight_decay,
-        "embedding": o.weight_decay if o.decay_embeddings else 0.0,
-        "norms": o.weight_decay if o.decay_norms else 0.0,
-    }
-
-
 def param_groups(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
-    """AdamW groups named matrices / experts / embedding / norms (the name travels in
-    checkpoints). The routed experts of MoE specs have a group of their own, whatever the
-    parallel layout (so checkpoints move between layouts): under expert parallelism they
-    are DTensors while DDP's dense parameters are plain tensors, and one foreach kernel
-    cannot take both."""
-    members: dict[str, list[nn.Parameter]] = {"matrices": [], "experts": [], "embedding": [], "norms": []}
-    for module in unwrap(model).modules():
-        own = list(module.parameters(recurse=False))
-        if isinstance(module, GroupedExperts):
-            members["experts"] += own
-        elif isinstance(module, nn.Embedding):
-            members["embedding"] += own
-        elif isinstance(module, RMSNorm):
-            members["norms"] += own
-        else:
-            members["matrices"] += own
-    decays = weight_decays(recipe)
-    return [{"name": k, "params": v, "weight_decay": decays[k]} for k, v in members.items() if v]
+    """AdamW groups by ``olmo_model.decay``'s groups of the parameter names: matrices / experts /
+    embedding / norms (the name travels in checkpoints). The routed experts of MoE specs have a
+    group of their own, whatever the parallel layout (so checkpoints move between layouts):
+    under expert parallelism they are DTensors while DDP's dense parameters are plain tensors,
+    and one foreach kernel cannot take both."""
+    members: dict[str, list[nn.Parameter]] = {g: [] for g in DECAY_GROUPS}
+    for name, p in unwrap(model).named_parameters():
+        members[decay_group(name)].append(p)
+    return [
+        {"name": g, "params": ps, "weight_decay": group_weight_decay(g, recipe.optim)}
+        for g, ps in members.items()
+        if ps
+    ]
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.AdamW:
@@ -144,10 +125,9 @@ def make_optimizer(model: nn.Module, recipe: Recipe, device: torch.device) -> to
 def apply_recipe_hyperparams(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
     """After loading optimizer state: the recipe, not the checkpoint, decides betas, eps and
     weight decay (the moments and step count come from the checkpoint)."""
-    decays = weight_decays(recipe)
     for group in optimizer.param_groups:
         group["betas"], group["eps"] = recipe.optim.betas, recipe.optim.eps
-        group["weight_decay"] = decays[group["name"]]
+        group["weight_decay"] = group_weight_decay(group["name"], recipe.optim)
 
 
 def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -311,25 +291,6 @@ def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distr
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     bad = sum(int(not torch.isfinite(t.detach()).all()) for t in local)
     return d.all_reduce_sum(torch.tensor(float(bad), dtype=torch.float64, device=d.device)).item() == 0
-
-
-def batch_digest(batch: dict[str, np.ndarray], d: Distributed, context_parallel: int = 1) -> str:
-    """sha256 over the per-row hashes of the GLOBAL batch, in row order: the same string for
-    any number of ranks, so resumed and elastic runs can prove they saw the same data. Under
-    context parallelism the ``context_parallel`` consecutive ranks of a group hold the same rows,
-    which count once."""
-    rows = np.stack(
-        [
-            np.frombuffer(hashlib.sha256(ids.tobytes() + lab.tobytes()).digest(), dtype=np.uint8)
-            for ids, lab in zip(batch["input_ids"].astype(np.int32), batch["labels"].astype(np.int32))
-        ]
-    )
-    local = torch.from_numpy(rows).to(d.device)
-    if d.initialized and d.world_size > 1:
-        parts = [torch.empty_like(local) for _ in range(d.world_size)]
-        dist.all_gather(parts, local)
-        local = torch.cat(parts[::context_parallel])
-    return hashlib.sha256(local.cpu().numpy().tobytes()).hexdigest()[:16]
 
 
 # ---- evaluation --------------------------------------------------------------------------------
@@ -554,8 +515,7 @@ class TorchTrainModule:
             guard=guard,
             step=step,
         )
-        digest = batch_digest(batch, d, plan.recipe.torch.context_parallel)
-        extra: dict[str, Any] = {"batch_digest": digest, **(stats.moe or {})}
+        extra: dict[str, Any] = dict(stats.moe or {})
         if self.cuda:
             extra["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
         return StepResult(stats.loss, stats.ce_loss, stats.z_loss, stats.grad_norm, stats.skipped, extra)
@@ -594,6 +554,9 @@ class TorchTrainModule:
             torch.cuda.synchronize()
         self.profiler.stop()
         self.profiler.export_chrome_trace(str(self.trace_file))
+
+    def all_gather_text(self, text: str) -> list[str]:
+        return self.d.all_gather_text(text)
 
     def close(self) -> None:
         self.checkpointer.wait()
