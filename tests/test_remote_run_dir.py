@@ -25,6 +25,7 @@ import pytest
 
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
+from olmo_model import fp32_mean_tolerance
 from olmo_model.runlog import complete_checkpoints, read_metrics, read_verified_meta
 from olmo_model.storage import URLPath, local_copy
 
@@ -87,12 +88,24 @@ def reference(tmp_path_factory):
     return get
 
 
-def trainer_process(framework: str, args: list[str], hook: list[str] | None = None) -> subprocess.CompletedProcess:
-    """The trainer's CLI in a fresh process (the environment: this test's, pointing at the store)."""
+# Two data-parallel ranks: torch processes (DDP), JAX devices.
+TWO = {"torch": ["--torch.parallel=ddp"], "jax": ["--jax.mesh.data=2"]}
+
+
+def trainer_process(
+    framework: str, args: list[str], hook: list[str] | None = None, ranks: int = 1
+) -> subprocess.CompletedProcess:
+    """The trainer's CLI in a fresh process (the environment: this test's, pointing at the store);
+    ``ranks`` torchrun processes for torch, simulated CPU devices for JAX."""
     command = [sys.executable, "-m", f"olmo_train_{framework}", *args]
     if hook is not None:
         command = [sys.executable, str(ROOT / "tests" / "support" / "kill_during_checkpoint.py"), *hook, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    if ranks > 1 and framework == "torch":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+        command += ["-m", "olmo_train_torch", *args]
+    if ranks > 1 and framework == "jax":
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     return out
 
@@ -147,7 +160,8 @@ def test_killed_during_a_checkpoint_write_resumes_bitwise(framework, scheme, req
 def test_resume_from_the_bucket_after_an_uncommitted_save(framework, scheme, request, reference):
     """In this process: a 4-step run to the bucket (keep=2), step 4 then made uncommitted (its
     meta.json deleted, as a crash before the commit leaves it), the local copy deleted (a
-    fresh host): the rerun resumes from step 2 and matches the local run bitwise."""
+    fresh host): the rerun resumes from step 2 and matches the local run bitwise. Then the same
+    again, resumed on two ranks (elastic)."""
     store = request.getfixturevalue("s3_store" if scheme == "s3" else "gcs_store")
     if scheme == "gs":
         request.getfixturevalue("no_gcs_retry_wait")
@@ -165,6 +179,23 @@ def test_resume_from_the_bucket_after_an_uncommitted_save(framework, scheme, req
     assert [s for s, _ in complete_checkpoints(run)] == [2, 4]
     for step in (2, 4):
         read_verified_meta(run / "checkpoints" / f"step_{step:08d}")
+
+    # Elastic, from the bucket: the same uncommitted step 4 and a fresh host, resumed by two
+    # processes (torch: torchrun, DDP) or on two devices (JAX: a data axis of 2). Steps 3 and 4
+    # see the same global batches (digests) and follow the local run within the reordering of
+    # the fp32 loss sum over the step's 8 x 64 tokens (fp32_mean_tolerance).
+    records = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
+    fileio.delete(str(run / "checkpoints" / "step_00000004" / "meta.json"))
+    shutil.rmtree(local_copy(run))
+    two = trainer_process(framework, [*args, *TWO[framework]], ranks=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert f"resumed from {run}/checkpoints/step_00000002 at step 2" in two.stdout
+    assert "x 2 data-parallel" in two.stdout
+    again = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
+    assert sorted(again) == list(range(1, STEPS + 1))
+    for step in (3, 4):
+        assert again[step]["batch_digest"] == records[step]["batch_digest"]
+        assert abs(again[step]["loss"] - want[step]) <= fp32_mean_tolerance(want[step], 8 * 64), step
 
 
 def test_the_store_going_away_mid_run_is_one_line_and_the_last_checkpoint_survives(
