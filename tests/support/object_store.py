@@ -17,7 +17,8 @@ Fixtures:
   real account or a metadata server (``AWS_EC2_METADATA_DISABLED``, ``NO_GCE_CHECK``).
 
 `ObjectStore.bytes_served` counts what the server sent back through the relay (HTTP headers
-included), the honest measure of what a read fetched; `ObjectStore.proxy.stop()` makes the
+included), the honest measure of what a read fetched, and `ObjectStore.proxy.requests` lists
+the HTTP requests that went through it; `ObjectStore.proxy.stop()` makes the
 store unreachable mid-test (connections reset, new ones refused). Uploads made by the
 helpers go straight to the server with boto3 or plain HTTP, not through the code under test
 and not counted. `restricted_s3_credentials` makes moto enforce IAM for a block, with a
@@ -31,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import types
@@ -47,6 +49,11 @@ import pytest
 CLOUD_ENV_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "GCE_", "STORAGE_EMULATOR_HOST", "NO_GCE_CHECK", "GCSFS_")
 # Seconds a relay waits for a connection before it checks whether it was stopped.
 _ACCEPT_POLL_S = 0.1
+# An HTTP/1.x request line, preceded by the CRLF that ends the previous request's headers
+# (or by the one the relay puts before each connection's first byte).
+_REQUEST_LINE = re.compile(rb"\r\n(GET|HEAD|PUT|POST|DELETE|PATCH) (\S+) HTTP/1\.[01]\r\n")
+# Bytes of a client's stream kept to find a request line split across two reads.
+_REQUEST_TAIL = 8192
 
 
 def free_port() -> int:
@@ -57,15 +64,22 @@ def free_port() -> int:
 
 class CountingProxy:
     """A TCP relay from 127.0.0.1:`port` to a server on 127.0.0.1:`upstream_port` that counts
-    the bytes the server sends back (`bytes_served`)."""
+    the bytes the server sends back (`bytes_served`) and the HTTP requests the clients send
+    (`requests`: (method, target) in arrival order, found by their request lines).
 
-    def __init__(self, upstream_port: int) -> None:
+    `nodelay` sets TCP_NODELAY on both legs of every connection: without it, a response the
+    server writes in pieces can wait on the relay's Nagle timer (tens of ms per request), which
+    matters to a benchmark, not to a test's counts."""
+
+    def __init__(self, upstream_port: int, nodelay: bool = False) -> None:
         self._upstream = ("127.0.0.1", upstream_port)
+        self._nodelay = nodelay
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(_ACCEPT_POLL_S)
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._served = 0
+        self._requests: list[tuple[str, str]] = []
         self._sockets: set[socket.socket] = set()
         self._stopped = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name=f"relay-{self.port}").start()
@@ -79,9 +93,16 @@ class CountingProxy:
         with self._lock:
             return self._served
 
+    @property
+    def requests(self) -> list[tuple[str, str]]:
+        with self._lock:
+            return list(self._requests)
+
     def reset(self) -> None:
+        """Zero `bytes_served` and empty `requests`."""
         with self._lock:
             self._served = 0
+            self._requests.clear()
 
     def _accept(self) -> None:
         while not self._stopped.is_set():
@@ -96,6 +117,9 @@ class CountingProxy:
             except OSError:
                 client.close()
                 continue
+            if self._nodelay:
+                for s in (client, server):
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 if self._stopped.is_set():
                     client.close()
@@ -106,11 +130,19 @@ class CountingProxy:
             threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        tail = b"\r\n"  # what precedes the next bytes of a client's stream
         try:
             while data := src.recv(1 << 16):
                 if count:
                     with self._lock:
                         self._served += len(data)
+                else:
+                    seen = tail + data
+                    found = [m for m in _REQUEST_LINE.finditer(seen) if m.end() > len(tail)]
+                    if found:
+                        with self._lock:
+                            self._requests.extend((m[1].decode(), m[2].decode()) for m in found)
+                    tail = seen[-_REQUEST_TAIL:]
                 dst.sendall(data)
         except OSError:
             pass  # the other side went away, or stop() closed the sockets

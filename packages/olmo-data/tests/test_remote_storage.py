@@ -184,6 +184,111 @@ def test_a_window_read_fetches_the_window_not_the_file(object_store, tmp_path):
     assert object_store.bytes_served < 2048 * 6, object_store.bytes_served  # 5 data files + the YAML
 
 
+def data_reads(store) -> list[str]:
+    """The targets of the GETs of object bytes that went through the store's relay (not the
+    listings and metadata requests, which gcsfs may still be sending from an earlier call)."""
+    is_read = (lambda t: "alt=media" in t) if store.scheme == "gs" else (lambda t: "?" not in t)
+    return [target for method, target in store.proxy.requests if method == "GET" and is_read(target)]
+
+
+def test_staged_reads_coalesce_and_fetch_once(object_store, tmp_path):
+    """fileio.staged_reads on hand-picked ranges: overlapping and touching ranges of one object
+    are one GET, the fetched bytes serve every read inside them, a read outside is its own GET."""
+    data_a, data_b = bytes(range(256)) * 8, bytes(reversed(range(256))) * 4  # 2048 and 1024 bytes
+    (tmp_path / "a.bin").write_bytes(data_a)
+    (tmp_path / "b.bin").write_bytes(data_b)
+    a, b = object_store.upload(tmp_path / "a.bin", "a.bin"), object_store.upload(tmp_path / "b.bin", "b.bin")
+    ranges = [(a, 0, 100), (a, 100, 50), (a, 120, 10), (a, 500, 10), (a, 1000, 5), (b, 0, 10), (a, 1002, 0)]
+    # By hand: a's [0, 100) + [100, 150) touch and [120, 130) lies inside: one span [0, 150);
+    # [500, 510) and [1000, 1005) stand alone; b's [0, 10); the empty range asks nothing.
+    assert fileio.coalesce([(o, n) for u, o, n in ranges if u == a]) == [(0, 150), (500, 10), (1000, 5)]
+    ra, rb = fileio.RangeReader(a), fileio.RangeReader(b)
+    object_store.proxy.reset()
+    with fileio.staged_reads(ranges) as requests:
+        assert requests == 4 and len(data_reads(object_store)) == 4
+        for url, offset, length in ranges:
+            reader, data = (ra, data_a) if url == a else (rb, data_b)
+            assert reader.pread(offset, length) == data[offset : offset + length]
+        assert ra.pread(130, 20) == data_a[130:150]  # inside a staged span: no request
+        payload = 150 + 10 + 5 + 10
+        # The payload and beyond it only HTTP response headers (< 1 KiB per response).
+        assert payload <= object_store.bytes_served <= payload + 1024 * 4, object_store.bytes_served
+        assert len(data_reads(object_store)) == 4
+        assert ra.pread(140, 20) == data_a[140:160]  # runs past the span: fetched on its own
+        assert len(data_reads(object_store)) == 5
+    assert ra.pread(0, 10) == data_a[:10]  # the block has ended: nothing is staged any more
+    assert len(data_reads(object_store)) == 6
+    # pread_many coalesces too: two touching ranges, one GET.
+    object_store.proxy.reset()
+    assert ra.pread_many([(10, 10), (20, 5)]) == [data_a[10:20], data_a[20:25]]
+    assert len(data_reads(object_store)) == 1
+
+
+def runs(values) -> int:
+    """Runs of consecutive integers among the distinct `values` ([2, 3, 5] holds two)."""
+    v = np.unique(np.asarray(values))
+    return int(v.size and 1 + np.count_nonzero(np.diff(v) > 1))
+
+
+def test_a_batch_is_fetched_at_once_and_is_the_local_batch(object_store, tmp_path):
+    """A batch's windows are fetched before it is built, coalesced: a raw file's windows k and
+    k+1 touch (window k reads one token past its end, k+1's first) and a shard's consecutive
+    chunks lie back to back, so each run of consecutive windows or chunks is one GET. The
+    count is derived from the batch's windows, the batches are the local ones, with any
+    read_concurrency and in Grain's reader threads."""
+    folder = tmp_path / "m"
+    write_raw(folder / "code.npy", random_docs(1, 12))  # 800 tokens: 12 windows of 64
+    write_shard(folder / "prose.shard", random_docs(2, 30), chunk_tokens=100)  # 1831 tokens, 19 chunks
+    sources = [
+        {"name": "code", "paths": ["code.npy"], "format": "numpy", "dtype": "uint16", "ratio": 0.5},
+        {"name": "prose", "paths": ["prose.shard"], "format": "shards", "ratio": 0.5},
+    ]
+    local = load_mixture(write_mixture(folder, sources, sequence_length=SEQ))
+    url = object_store.upload_tree(folder, "m") + "/mixture.yaml"
+    counts = {}
+    for concurrency in (fileio.DEFAULT_CONCURRENT_READS, 0):
+        remote = load_mixture(url)  # a fresh open: no chunk cached, the doc-start block not read
+        loader = MixtureLoader(remote, GLOBAL_BATCH, prefetch=0, read_concurrency=concurrency)
+        object_store.proxy.reset()
+        got, want = loader.batch_at(0), local.order.global_batch(0, GLOBAL_BATCH)
+        for k in BATCH_KEYS:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"read_concurrency {concurrency} {k}")
+        counts[concurrency] = len(data_reads(object_store))
+    source, within = local.order.instances_at(np.arange(GLOBAL_BATCH))
+    code, prose = within[source == 0], within[source == 1]
+    shard = local.training_sources[1]
+    bounds = np.cumsum([c["num_tokens"] for c in shard.manifest["chunks"]])
+    first_chunk = np.searchsorted(bounds, prose * SEQ, side="right")  # a window's tokens [k*S, k*S + S]
+    last_chunk = np.searchsorted(bounds, prose * SEQ + SEQ, side="right")
+    chunks = np.concatenate([np.arange(f, t + 1) for f, t in zip(first_chunk, last_chunk)])
+    # + 1: the shard's doc-start block, read once on first use.
+    assert counts[fileio.DEFAULT_CONCURRENT_READS] == runs(code) + runs(chunks) + 1, (counts, code, chunks)
+    # One at a time: a GET per raw window read, a GET per chunk not already decompressed
+    # (windows are read in order, so a chunk two windows share is fetched once).
+    assert counts[0] == len(code) + len(np.unique(chunks)) + 1, (counts, code, chunks)
+    assert counts[fileio.DEFAULT_CONCURRENT_READS] < counts[0]  # this batch has runs to coalesce
+    # Grain's reader threads each stage their own batch.
+    loader = MixtureLoader(load_mixture(url), GLOBAL_BATCH, prefetch=2)
+    it = iter(loader)
+    for step in range(4):
+        got, want = next(it), local.order.global_batch(step, GLOBAL_BATCH)
+        for k in BATCH_KEYS:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"threads, step {step} {k}")
+    it.close()
+    settle(object_store)
+
+
+def settle(store, quiet_s: float = 0.5, limit_s: float = 10.0) -> None:
+    """Wait until no request has gone through the store's relay for `quiet_s`: batches the
+    reader threads were prefetching when the iterator closed finish their reads before the
+    fixture cuts the relay (they would otherwise retry against it, and log each retry)."""
+    seen, since, t0 = -1, time.perf_counter(), time.perf_counter()
+    while time.perf_counter() - since < quiet_s and time.perf_counter() - t0 < limit_s:
+        if (n := len(store.proxy.requests)) != seen:
+            seen, since = n, time.perf_counter()
+        time.sleep(0.05)
+
+
 def test_leakage_check_finds_a_leak_planted_in_a_remote_raw_file(object_store, tmp_path):
     code = random_docs(1, 600)
     code.insert(500, HELD[7])  # lands in code/b.npy (the last third of the documents)
@@ -319,8 +424,36 @@ def test_network_failure_mid_run(object_store, tmp_path, monkeypatch, request):
             part.read(part.num_tokens - SEQ, part.num_tokens)  # a range not read before (no chunk cached)
         one_line(e, part.path, "cannot reach", object_store.proxy.endpoint, "check the network")
         assert isinstance(e.value, ConnectionError)
+    # A batch fetched at once (the loader's default): the same kind of line, naming one of its files.
+    with pytest.raises(fileio.StorageNetworkError) as e:
+        loader.batch_at(1)
+    one_line(e, object_store.url("m/"), "cannot reach", object_store.proxy.endpoint, "check the network")
     # Bounded by the clients' retries: S3 one attempt, gcsfs six without their sleeps.
     assert time.perf_counter() - t0 < 20
+
+
+def test_a_failed_read_in_a_staged_batch_is_the_serial_error(object_store, tmp_path):
+    """Objects deleted after the mixture opened: a batch fetched at once fails with the very
+    one-line error the same batch read one window at a time gives, naming the URL."""
+    url = object_store.upload_tree(small_mixture(tmp_path / "m").parent, "m") + "/mixture.yaml"
+    staged, serial = (
+        MixtureLoader(load_mixture(url), GLOBAL_BATCH, prefetch=0, read_concurrency=c)
+        for c in (fileio.DEFAULT_CONCURRENT_READS, 0)
+    )
+    for name in ("code/a.npy", "code/b.npy", "heldout/h.shard"):
+        fileio.delete(object_store.url(f"m/{name}"))
+    errors = []
+    for loader in (staged, serial):
+        with pytest.raises(fileio.StorageNotFoundError) as e:
+            loader.batch_at(0)  # batch 0 holds windows of the raw source "code"
+        errors.append(one_line(e, object_store.url("m/code/"), "no such object; check the path"))
+    assert errors[0] == errors[1]
+    errors = []
+    for loader in (staged, serial):
+        with pytest.raises(DataError) as e:
+            loader.eval_batches("heldout", 3)
+        errors.append(one_line(e, object_store.url("m/heldout/h.shard"), "shard file vanished after opening"))
+    assert errors[0] == errors[1]
 
 
 # ---- the layer itself, as checkpoints and run dirs will use it --------------------------------

@@ -288,3 +288,40 @@ def test_bad_inputs_are_clear_errors(tmp_path):
         open_source(str(tmp_path / "v.shard"), "shards", vocab_size=4096)
     with pytest.raises(DataError, match="v.shard: shard dtype is uint16"):
         open_source(str(tmp_path / "v.shard"), "shards", dtype="uint32")
+
+
+def test_shard_chunk_cache_is_bounded_per_shard_and_in_all(tmp_path, monkeypatch):
+    """Decompressed chunks are kept least recently used first out, at most _CACHE_CHUNKS of one
+    shard and _CACHE_BYTES over all of them; `remote_ranges` of a local shard names nothing,
+    `_ChunkCache.missing` says what a read would fetch. Counts derived by hand below."""
+    import gc
+
+    from olmo_data import shards
+
+    # 100-token chunks of uint16 ids: 200 bytes each decompressed; room for 5 chunks in all.
+    cache = shards._ChunkCache(per_source=4, max_bytes=1000)
+    monkeypatch.setattr(shards, "_CHUNKS", cache)
+    rng = np.random.default_rng(3)
+    docs = [np.append(d, EOS) for d in _documents(rng, 60, 4096)]
+    flat = np.concatenate(docs).astype(np.uint32)
+    paths = []
+    for name in ("a", "b"):
+        with ShardWriter(tmp_path / f"{name}.shard", "uint16", chunk_tokens=100) as w:
+            for d in docs:
+                w.add_document(d)
+        paths.append(tmp_path / f"{name}.shard")
+    a, b = ShardSource(paths[0]), ShardSource(paths[1])
+    assert a.remote_ranges(0, 1000) == []  # local: nothing to fetch ahead
+    for i in range(6):  # chunks 0..5 of a: the first two are pushed out by the per-shard limit
+        np.testing.assert_array_equal(a.read(100 * i, 100 * i + 100), flat[100 * i : 100 * i + 100])
+    assert cache.missing(a._owner, range(6)) == [0, 1] and cache.nbytes == 800
+    b.read(0, 100)  # 1000 bytes: at the limit
+    assert cache.missing(a._owner, range(6)) == [0, 1] and cache.nbytes == 1000
+    a.read(500, 510)  # a hit: chunk 5 of a becomes the most recently used
+    b.read(100, 200)  # 1200 bytes: the least recently used chunk of any shard goes, a's chunk 2
+    assert cache.missing(a._owner, range(6)) == [0, 1, 2] and cache.missing(b._owner, range(2)) == []
+    assert cache.nbytes == 1000
+    owner = b._owner
+    del b
+    gc.collect()  # a collected shard's chunks are freed with it
+    assert cache.missing(owner, range(2)) == [0, 1] and cache.nbytes == 600

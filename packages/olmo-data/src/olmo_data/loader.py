@@ -4,22 +4,28 @@ A batch is a pure function of the step (`batch_at(step)`); iterating runs a Grai
 `MapDataset` over step numbers from the current step, mapped through `batch_at`, with
 `ReadOptions` prefetch threads. State is {fingerprint, seed, step, tokens_consumed}, so a
 run resumes at the next global batch under any dp size that divides the global batch.
+From object storage a batch's byte ranges are fetched together before it is built
+(`read_concurrency`), rather than one GET per window in turn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grain
 import numpy as np
 
+from olmo_data import fileio
 from olmo_data.errors import DataError
 from olmo_data.mixture import Mixture, load_mixture
-from olmo_data.order import derive_key, feistel_permute, read_instances, round_keys
+from olmo_data.order import RepetitionLimitError, derive_key, feistel_permute, read_instances, round_keys
+from olmo_data.storage import window_ranges
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,13 @@ class MixtureLoader:
 
     `prefetch` is the number of Grain reader threads (0: read in the calling thread);
     each thread builds one batch at a time, so up to `prefetch` batches are in flight.
+
+    `read_concurrency`: for data on object storage, a thread first fetches every byte range
+    its batch will read (each window, or each compressed shard chunk not in the shard's cache),
+    ranges of one object that overlap or touch coalesced into one GET, up to this many GETs in
+    flight; then it builds the batch from memory. 0 fetches each window when it is read, one
+    GET after another. Local files are read directly either way, and the batches are the same
+    bytes whatever the setting (`olmo_data.fileio.staged_reads`).
     """
 
     def __init__(
@@ -46,6 +59,7 @@ class MixtureLoader:
         dp_size: int = 1,
         start_step: int = 0,
         prefetch: int = 2,  # threads: enough to hide shard decompression behind a training step
+        read_concurrency: int = fileio.DEFAULT_CONCURRENT_READS,
     ) -> None:
         self.mixture = mixture if isinstance(mixture, Mixture) else load_mixture(mixture)
         if global_batch_size <= 0 or dp_size <= 0 or global_batch_size % dp_size:
@@ -58,13 +72,19 @@ class MixtureLoader:
             raise ValueError(
                 f"dp_rank {dp_rank} is outside [0, dp_size={dp_size}); pass the rank(s) this process reads"
             )
-        if start_step < 0 or prefetch < 0:
-            raise ValueError(f"start_step ({start_step}) and prefetch ({prefetch}) must be >= 0")
+        if start_step < 0 or prefetch < 0 or read_concurrency < 0:
+            raise ValueError(
+                f"start_step ({start_step}), prefetch ({prefetch}) and read_concurrency ({read_concurrency}) "
+                "must be >= 0"
+            )
         self.global_batch_size = global_batch_size
         self.dp_ranks = ranks
         self.dp_size = dp_size
         self.step = start_step  # the next global batch to yield = global batches consumed so far
         self.prefetch = prefetch
+        self.read_concurrency = read_concurrency
+        files = [f for group in (*self.mixture.training_files, *self.mixture.held_out_files) for f in group]
+        self._any_remote = any(fileio.is_remote(f) for f in files)  # else there is nothing to fetch ahead
         self.order = self.mixture.order  # built here, not lazily inside Grain's reader threads
         log.info(
             "MixtureLoader %s: fingerprint %s seed %d, sequence %d, global batch %d, rank(s) %s/%d, step %d, "
@@ -92,9 +112,28 @@ class MixtureLoader:
             raise ValueError(f"this loader reads ranks {list(self.dp_ranks)}; use dp_ranks")
         return self.dp_ranks[0]
 
+    def read_plan(self, step: int) -> list[tuple[str, int, int]]:
+        """(URL, offset, length) of the object-storage bytes that reading this loader's rows of
+        global batch `step` fetches (`olmo_data.storage.window_ranges`); empty for local data."""
+        rows = self.global_batch_size // self.dp_size
+        plan: list[tuple[str, int, int]] = []
+        for r in self.dp_ranks:
+            first = step * self.global_batch_size + r * rows
+            try:
+                source_ids, within = self.order.instances_at(np.arange(first, first + rows, dtype=np.int64))
+            except RepetitionLimitError:
+                return []  # rank_slice raises it, naming the batch
+            for s in np.unique(source_ids).tolist():
+                source = self.order.sources[s]
+                plan += window_ranges(source, within[source_ids == s], self.mixture.sequence_length)
+        return plan
+
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        """This loader's rows of global batch `step` (pure: no loader state involved)."""
-        parts = [self.order.rank_slice(step, self.global_batch_size, r, self.dp_size) for r in self.dp_ranks]
+        """This loader's rows of global batch `step` (pure: no loader state involved). From
+        object storage, every byte range the batch needs is fetched first, concurrently
+        (`read_concurrency`, see the class docstring); the batch is the same either way."""
+        with self._staged(lambda: self.read_plan(step)):
+            parts = [self.order.rank_slice(step, self.global_batch_size, r, self.dp_size) for r in self.dp_ranks]
         if len(parts) == 1:
             return parts[0]
         return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -162,9 +201,17 @@ class MixtureLoader:
             raise ValueError(f"eval batch_size must be > 0, got {batch_size}")
         source, within = eval_instances(self.mixture, source_name)
         seq, vocab = self.mixture.sequence_length, self.mixture.config.vocab_size
-        return [
-            read_instances(source, within[i : i + batch_size], seq, vocab) for i in range(0, len(within), batch_size)
-        ]
+        out = []
+        for i in range(0, len(within), batch_size):
+            with self._staged(lambda: window_ranges(source, within[i : i + batch_size], seq)):
+                out.append(read_instances(source, within[i : i + batch_size], seq, vocab))
+        return out
+
+    def _staged(self, plan: Callable[[], list[tuple[str, int, int]]]) -> AbstractContextManager[object]:
+        """`fileio.staged_reads` of what `plan()` names, or nothing to do (read_concurrency 0)."""
+        if self.read_concurrency == 0 or not self._any_remote:
+            return contextlib.nullcontext()
+        return fileio.staged_reads(plan(), self.read_concurrency)
 
 
 def eval_instances(mixture: Mixture, source_name: str) -> tuple[Any, np.ndarray]:

@@ -22,15 +22,19 @@ Shards are read through `olmo_data.fileio.RangeReader`, locally or from object s
 the same code: opening reads the magic and the file's tail (footer and manifest) in one
 round of two ranged reads, and a token read fetches only the compressed chunks it touches,
 so reading one window of a remote shard costs about one compressed chunk, never the file.
+`ShardSource.remote_ranges` names those chunks ahead of a read, so that the loader can fetch
+all of a batch's chunks at once (`olmo_data.fileio.staged_reads`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -38,7 +42,7 @@ import numpy as np
 import zstandard
 
 from olmo_data.errors import DataError, ShardCorruptError
-from olmo_data.fileio import AtomicWriter, RangeReader
+from olmo_data.fileio import AtomicWriter, RangeReader, is_remote
 
 SHARD_SUFFIX = ".shard"
 _MAGIC = b"OLMOSHD1"
@@ -52,10 +56,67 @@ DEFAULT_CHUNK_TOKENS = 1 << 20
 _ZSTD_LEVEL = 3
 # Decompressed chunks kept per shard: enough for a few interleaved sequential readers.
 _CACHE_CHUNKS = 4
+# ... and by all of a process's shards together: a corpus of thousands of shards read in a
+# shuffled order would otherwise keep _CACHE_CHUNKS chunks of every one (4 MiB apiece at the
+# default chunk size of uint32 ids). 256 MiB: 64 such chunks.
+_CACHE_BYTES = 256 << 20
 # Opening reads this much of the file's end, which holds the footer and, for shards of up to
 # ~200 chunks (200M tokens at the default chunk size), the whole manifest: one read, not two.
 _TAIL_BYTES = 64 << 10
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class _ChunkCache:
+    """Decompressed chunks of every ShardSource in the process, least recently used first out:
+    at most `per_source` chunks of one source and `max_bytes` in all. Sources are told apart
+    by a token of their own (never id(), which a new object may reuse)."""
+
+    def __init__(self, per_source: int, max_bytes: int) -> None:
+        self.per_source, self.max_bytes = per_source, max_bytes
+        self._lock = threading.Lock()
+        self._all: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+        self._of: dict[int, OrderedDict[int, None]] = {}
+        self.nbytes = 0
+
+    def get(self, owner: int, index: int) -> np.ndarray | None:
+        with self._lock:
+            arr = self._all.get((owner, index))
+            if arr is not None:
+                self._all.move_to_end((owner, index))
+                self._of[owner].move_to_end(index)
+            return arr
+
+    def missing(self, owner: int, indices: range) -> list[int]:
+        with self._lock:
+            return [i for i in indices if (owner, i) not in self._all]
+
+    def put(self, owner: int, index: int, arr: np.ndarray) -> None:
+        with self._lock:
+            if (owner, index) in self._all:
+                return
+            self._all[(owner, index)] = arr
+            self._of.setdefault(owner, OrderedDict())[index] = None
+            self.nbytes += arr.nbytes
+            while len(self._of[owner]) > self.per_source:
+                self._evict(owner, next(iter(self._of[owner])))
+            while self.nbytes > self.max_bytes and len(self._all) > 1:
+                self._evict(*next(iter(self._all)))
+
+    def drop(self, owner: int) -> None:
+        """Forget a source's chunks (it was garbage-collected)."""
+        with self._lock:
+            for index in list(self._of.get(owner, ())):
+                self._evict(owner, index)
+
+    def _evict(self, owner: int, index: int) -> None:
+        self.nbytes -= self._all.pop((owner, index)).nbytes
+        del self._of[owner][index]
+        if not self._of[owner]:
+            del self._of[owner]
+
+
+_CHUNKS = _ChunkCache(_CACHE_CHUNKS, _CACHE_BYTES)
+_OWNERS = itertools.count()
 
 
 def _sha256(data: bytes | memoryview) -> str:
@@ -238,7 +299,8 @@ def _read_manifest(reader: RangeReader) -> dict[str, Any]:
 
 class ShardSource:
     """A `TokenSource` over one shard file, local or a URL. Thread-safe; picklable (reopens the
-    file lazily)."""
+    file lazily). Decompressed chunks are kept in a cache shared by the process's shards
+    (`_CACHE_CHUNKS` per shard, `_CACHE_BYTES` in all)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self._reader = RangeReader(path)
@@ -254,13 +316,14 @@ class ShardSource:
         self._init_runtime()
 
     def _init_runtime(self) -> None:
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        # The key of this source's chunks in the process-wide cache (_CHUNKS), freed with it.
+        self._owner = next(_OWNERS)
+        weakref.finalize(self, _CHUNKS.drop, self._owner)
         self._doc_starts: np.ndarray | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_lock", "_cache", "_doc_starts"):
+        for key in ("_owner", "_doc_starts"):
             state.pop(key)
         return state
 
@@ -286,11 +349,9 @@ class ShardSource:
             raise ShardCorruptError(f"{self.path}: {what} does not decompress ({e}); re-create the shard") from None
 
     def _chunk(self, index: int, verify_uncompressed: bool = False) -> np.ndarray:
-        with self._lock:
-            cached = None if verify_uncompressed else self._cache.get(index)
-            if cached is not None:
-                self._cache.move_to_end(index)
-                return cached
+        cached = None if verify_uncompressed else _CHUNKS.get(self._owner, index)
+        if cached is not None:
+            return cached
         meta = self.manifest["chunks"][index]
         raw = self._read_block(meta, f"chunk {index}")
         if verify_uncompressed and _sha256(raw) != meta["sha256_uncompressed"]:
@@ -300,10 +361,7 @@ class ShardSource:
             raise ShardCorruptError(
                 f"{self.path}: chunk {index} holds {arr.size} tokens, manifest says {meta['num_tokens']}; re-create it"
             )
-        with self._lock:
-            self._cache[index] = arr
-            while len(self._cache) > _CACHE_CHUNKS:
-                self._cache.popitem(last=False)
+        _CHUNKS.put(self._owner, index, arr)
         return arr
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -323,6 +381,24 @@ class ShardSource:
             out[pos - start : hi - start] = self._chunk(index)[pos - lo : hi - lo]
             pos = hi
         return out
+
+    def remote_ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """(URL, offset, length) of the compressed chunks `read(start, stop)` would fetch from
+        object storage: the chunks it touches that are not in the cache now (none locally)."""
+        if stop <= start or not is_remote(self.path):
+            return []
+        first = int(np.searchsorted(self._chunk_bounds, start, side="right")) - 1
+        last = int(np.searchsorted(self._chunk_bounds, stop - 1, side="right")) - 1
+        missing = _CHUNKS.missing(self._owner, range(first, last + 1))
+        chunks = self.manifest["chunks"]
+        return [(self.path, chunks[i]["offset"], chunks[i]["compressed_size"]) for i in missing]
+
+    def index_ranges(self) -> list[tuple[str, int, int]]:
+        """(URL, offset, length) of the doc-start block if `doc_starts()` has yet to fetch it."""
+        if self._doc_starts is not None or not is_remote(self.path):
+            return []
+        block = self.manifest["doc_starts"]
+        return [(self.path, block["offset"], block["compressed_size"])]
 
     def doc_starts(self) -> np.ndarray:
         if self._doc_starts is None:

@@ -11,6 +11,9 @@ the format. Every path may be local, ``file://``, ``gs://`` or ``s3://`` (`olmo_
 - `open_source(...)`: resolves paths, globs and shard directories into one of the above,
   checking missing files, empty globs, dtype and vocab.
 - `num_windows` / `window_spans`: where the windows of sequence_length tokens of any of them lie.
+- `remote_ranges` / `window_ranges`: the object-storage byte ranges that reading some token
+  spans or windows will fetch, so that a loader can fetch a whole batch's at once
+  (`olmo_data.fileio.staged_reads`) instead of one GET per window as each is read.
 - `content_sha256(path)`: the sha256 of a file's bytes, cached on disk by its stat or, for
   an object, its (URL, size, generation or ETag) (the fingerprint of raw files, which carry
   no checksums of their own).
@@ -35,6 +38,7 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, Protocol, Sequence
 
@@ -55,6 +59,8 @@ __all__ = [
     "open_source",
     "num_windows",
     "window_spans",
+    "remote_ranges",
+    "window_ranges",
     "resolve_paths",
     "content_sha256",
     "cache_root",
@@ -251,6 +257,12 @@ class RawTokenFile:
         assert self._max_token_id is not None  # set by _scan
         return self._max_token_id
 
+    def remote_ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """(URL, offset, length) that `read(start, stop)` fetches from object storage (none locally)."""
+        if not self.remote or stop <= start:
+            return []
+        return [(self.path, start * self.dtype.itemsize, (stop - start) * self.dtype.itemsize)]
+
     def read(self, start: int, stop: int) -> np.ndarray:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"{self.path}: read [{start}, {stop}) outside [0, {self.num_tokens})")
@@ -333,10 +345,29 @@ class ConcatSource:
 
     def doc_starts(self) -> np.ndarray:
         if self._starts is None:
-            self._starts = np.concatenate(
-                [s.doc_starts() + off for s, off in zip(self.sources, self._bounds[:-1])]
-            ).astype(np.int64)
+            # The remote shards' doc-start blocks, fetched together rather than one file after another.
+            pending = [r for s in self.sources for r in getattr(s, "index_ranges", list)()]
+            with fileio.staged_reads(pending):
+                self._starts = np.concatenate(
+                    [s.doc_starts() + off for s, off in zip(self.sources, self._bounds[:-1])]
+                ).astype(np.int64)
         return self._starts
+
+    def _parts(self, start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(source index, first, stop) within each source that tokens [start, stop) cover."""
+        first = int(np.searchsorted(self._bounds, start, side="right")) - 1
+        pos = start
+        for i in range(max(first, 0), len(self.sources)):
+            if pos >= stop:
+                break
+            lo = int(self._bounds[i])
+            hi = min(stop, int(self._bounds[i + 1]))
+            yield i, pos - lo, hi - lo
+            pos = hi
+
+    def remote_ranges(self, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """(URL, offset, length) that `read(start, stop)` fetches from object storage."""
+        return [r for i, a, b in self._parts(start, stop) for r in remote_ranges(self.sources[i], [(a, b)])]
 
     def read(self, start: int, stop: int) -> np.ndarray:
         if not 0 <= start <= stop <= self.num_tokens:
@@ -392,6 +423,26 @@ def window_spans(source: TokenSource, within: np.ndarray, sequence_length: int) 
     if isinstance(source, PerFileWindows):
         return source.window_spans(within, sequence_length)
     return within * sequence_length, np.full(within.shape, source.num_tokens, np.int64)
+
+
+def remote_ranges(source: TokenSource, spans: Iterable[tuple[int, int]]) -> list[tuple[str, int, int]]:
+    """(URL, offset, length) of the object-storage bytes that reading token spans (start, stop)
+    of `source` fetches: a raw file's exact byte range, a shard's compressed chunks not in its
+    cache. Nothing for local files, nor for a source type that does not say (`remote_ranges`
+    is optional: what it names is only fetched ahead, `fileio.staged_reads`)."""
+    plan = getattr(source, "remote_ranges", None)
+    if plan is None:
+        return []
+    return [r for start, stop in spans for r in plan(int(start), int(stop))]
+
+
+def window_ranges(source: TokenSource, within: np.ndarray, sequence_length: int) -> list[tuple[str, int, int]]:
+    """`remote_ranges` of the token reads `olmo_data.order.read_instances` makes for windows
+    `within`: each window and the token after it, up to its limit (`window_spans`). Should the
+    two ever disagree, a read outside the staged ranges is fetched on its own: slower, the same bytes."""
+    first, limit = window_spans(source, np.asarray(within, dtype=np.int64), sequence_length)
+    stop = np.minimum(first + sequence_length + 1, limit)
+    return remote_ranges(source, zip(first.tolist(), stop.tolist()))
 
 
 def locate(source: TokenSource, offset: int) -> tuple[TokenSource, int]:
