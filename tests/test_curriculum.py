@@ -120,12 +120,12 @@ def framework_logits(framework: str, spec, params: dict[str, np.ndarray], batch)
         from olmo_train_torch import model_from_hf
 
         with torch.no_grad():
-            return model_from_hf(spec, params).eval()(torch.from_numpy(ids)).double()
+            return model_from_hf(spec, params).eval()(torch.from_numpy(ids)).logits.double()
     import jax.numpy as jnp
 
     from olmo_train_jax import model_from_hf
 
-    return torch.from_numpy(np.asarray(model_from_hf(spec, params)(jnp.asarray(ids, jnp.int32)), np.float64))
+    return torch.from_numpy(np.asarray(model_from_hf(spec, params)(jnp.asarray(ids, jnp.int32)).logits, np.float64))
 
 
 def test_stage3_trains_longer_sequences_with_yarn(curriculum, run_helpers):

@@ -60,13 +60,13 @@ def main() -> None:
     jax_model = jax_model_from_hf(
         spec, {n: torch_to_numpy(t) for n, t in tensors.items()}, param_dtype=args.dtype, dtype=args.dtype
     )
-    jax_forward = nnx.jit(lambda m, ids: m(ids))
+    jax_forward = nnx.jit(lambda m, ids: m(ids).logits)
     ids = np.random.default_rng(args.seed).integers(0, spec.vocab_size, (args.batch, args.seq_len))
     ids_torch, ids_jax = torch.from_numpy(ids), jnp.asarray(ids, jnp.int32)
 
     def run_torch():
         with torch.no_grad():
-            return ours(ids_torch)
+            return ours(ids_torch).logits
 
     def run_jax():
         return jax_forward(jax_model, ids_jax).block_until_ready()

@@ -59,7 +59,7 @@ def olmo_core_key(hf_name: str) -> str:
 
 def torch_logits(model, ids: np.ndarray) -> np.ndarray:
     with torch.no_grad():
-        return model(torch.from_numpy(ids)).float().numpy()
+        return model(torch.from_numpy(ids)).logits.float().numpy()
 
 
 def transformers_logits(path: Path, ids: np.ndarray, dtype=torch.float32) -> np.ndarray:

@@ -93,7 +93,7 @@ def jax_logits(checkpoint):
     graphdef, state = nnx.split(build_model(get_preset("tiny")))
     nnx.replace_by_pure_dict(state, params)
     model = nnx.merge(graphdef, state)
-    forward = nnx.jit(lambda m, x: m(x))
+    forward = nnx.jit(lambda m, x: m(x).logits)
     return lambda ids: np.asarray(forward(model, jnp.asarray(ids)))
 
 

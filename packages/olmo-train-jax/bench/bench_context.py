@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from olmo_train_jax import sharding as sh
     from olmo_train_jax.causal_attention import context_attention
     from olmo_train_jax.model import attention, build_model
-    from olmo_train_jax.train import BATCH_KEYS, for_mesh, make_step_functions
+    from olmo_train_jax.train import BATCH_KEYS, for_mesh, step_functions
 
     if jax.device_count() < 4:
         print("bench_context: needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)", file=sys.stderr)
@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         axes = {"data": 1} if degree == 1 else {"data": 1, "context": degree}
         mesh = sh.make_mesh(axes, jax.devices()[:degree])
         m = for_mesh(build_model(spec, seed=0), spec, recipe, mesh)
-        fns = make_step_functions(m.graphdef, spec, recipe, m.tx, m.params_sh, m.opt_sh, mesh)
+        fns = step_functions(m, spec, recipe, mesh)
         params = jax.device_put(m.params, m.params_sh)
         opt = jax.jit(m.tx.init, out_shardings=m.opt_sh)(params)
         batch = {k: sh.global_batch_array(local[k], mesh, 1, 1) for k in BATCH_KEYS}
         state = [params, opt]
 
         def step(state=state, fns=fns, batch=batch):
-            state[0], state[1], stats = fns.fused(state[0], state[1], batch, np.float32(1e-4), 1)
+            state[0], state[1], stats = fns.fused(state[0], state[1], batch, np.float32(1e-4), np.int32(1))
             jax.block_until_ready(stats["loss"])
 
         step_s = _median_seconds(step, args.steps)

@@ -45,7 +45,7 @@ def jax_step(spec, ids: np.ndarray, labels: np.ndarray):
     lr = np.float32(1e-3)
 
     def step() -> float:
-        carry[0], carry[1], stats = fns.fused(carry[0], carry[1], data, lr)
+        carry[0], carry[1], stats = fns.fused(carry[0], carry[1], data, lr, np.int32(1))
         return float(stats["loss"])
 
     return step
@@ -154,7 +154,7 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
     def body(state):
         model = nnx.merge(graphdef, state)
         model.lm_head = nnx.Param(model.lm_head[...][:, :1])  # leaves the layers and the embedding
-        return jnp.sum(model(ids_j))
+        return jnp.sum(model(ids_j).logits)
 
     with jax.default_matmul_precision("highest"):  # as the fp32 trainer runs
         jax_head = jax.jit(jax.grad(head_loss, argnums=(0, 1)))

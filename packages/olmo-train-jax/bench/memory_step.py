@@ -28,7 +28,7 @@ from olmo_model.recipe import load_recipe
 from olmo_train_jax import model as model_module
 from olmo_train_jax.layers import plain_rms_norm, plain_swiglu_down
 from olmo_train_jax.model import REMAT_POLICIES, build_model
-from olmo_train_jax.train import make_optimizer, make_step_functions
+from olmo_train_jax.train import for_mesh, step_functions
 
 
 def residuals(spec, remat: str, seq: int) -> tuple[float, list[tuple[str, float]]]:
@@ -37,7 +37,7 @@ def residuals(spec, remat: str, seq: int) -> tuple[float, list[tuple[str, float]
     ids = jnp.zeros((1, seq), jnp.int32)
 
     def loss(params):
-        hidden, _ = nnx.merge(graphdef, params).forward_with_aux(ids, None, head=False)
+        hidden, _ = nnx.merge(graphdef, params).hidden_states(ids)
         return hidden.astype(jnp.float32).sum()
 
     leaves = jax.tree.leaves(jax.eval_shape(lambda p: jax.vjp(loss, p)[1], params))
@@ -49,18 +49,13 @@ def residuals(spec, remat: str, seq: int) -> tuple[float, list[tuple[str, float]
 
 def temp_gib(spec, batch: int, seq: int) -> float:
     recipe = load_recipe(None, ["--train.precision=bf16"])
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(spec, seed=0, dtype=jnp.bfloat16)))
-    params = nnx.to_pure_dict(state)
     from olmo_train_jax import sharding
 
     mesh = sharding.make_mesh({"data": -1})
-    tx = make_optimizer(params, recipe)
-    params_sh = sharding.param_shardings(params, spec, mesh)
-    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
-    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
-    grads_jit = next(c.cell_contents for c in fns.grads.__closure__ if hasattr(c.cell_contents, "lower"))
+    m = for_mesh(nnx.eval_shape(lambda: build_model(spec, seed=0, dtype=jnp.bfloat16)), spec, recipe, mesh)
+    fns = step_functions(m, spec, recipe, mesh)
     data = {k: jax.ShapeDtypeStruct((1, batch, seq), jnp.int32) for k in ("input_ids", "labels", "doc_ids")}
-    compiled = grads_jit.lower(params, data, jax.ShapeDtypeStruct((), jnp.int32)).compile()
+    compiled = fns.grads.lower(m.params, data, jax.ShapeDtypeStruct((), jnp.int32)).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 2**30
 
 

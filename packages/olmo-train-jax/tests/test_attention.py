@@ -260,7 +260,7 @@ def test_model_with_several_pattern_repeats_matches_transformers_and_reference()
     rng = np.random.default_rng(3)
     params = {n: rng.uniform(0.5, 1.5, p.shape).astype(np.float32) if p.ndim == 1 else p for n, p in params.items()}
     ids = rng.integers(0, spec.vocab_size, (2, seq)).astype(np.int32)
-    ours = np.asarray(nnx.jit(lambda m, x: m(x))(model_from_hf(spec, params), jnp.asarray(ids)))
+    ours = np.asarray(nnx.jit(lambda m, x: m(x).logits)(model_from_hf(spec, params), jnp.asarray(ids)))
 
     config = Olmo3Config(**hf_config(spec))
     config._attn_implementation = "eager"

@@ -64,7 +64,7 @@ def _measure(memory_seq: int | None = None) -> dict:
     from olmo_train_jax import sharding as sh
     from olmo_train_jax.causal_attention import context_block
     from olmo_train_jax.checkpoint import Checkpointer, abstract_like, restore_state
-    from olmo_train_jax.train import BATCH_KEYS, for_mesh, make_step_functions
+    from olmo_train_jax.train import BATCH_KEYS, for_mesh, step_functions
 
     assert jax.device_count() == 8, jax.devices()
     started = time.perf_counter()
@@ -104,7 +104,7 @@ def _measure(memory_seq: int | None = None) -> dict:
         n = int(np.prod(list(axes.values())))
         mesh = sh.make_mesh(axes, jax.devices()[:n])
         m = for_mesh(model_from_hf(s, params0[s.name]), s, recipe, mesh)
-        fns = make_step_functions(m.graphdef, s, recipe, m.tx, m.params_sh, m.opt_sh, mesh)
+        fns = step_functions(m, s, recipe, mesh)
         return mesh, m, fns
 
     def shaped(tree, shardings):
@@ -122,7 +122,7 @@ def _measure(memory_seq: int | None = None) -> dict:
                 for k in BATCH_KEYS
             }
             scalar = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            compiled = fns.fused_jit.lower(
+            compiled = fns.fused.lower(
                 shaped(m.params, m.params_sh),
                 shaped(m.abstract_opt, m.opt_sh),
                 b,
@@ -168,7 +168,7 @@ def _measure(memory_seq: int | None = None) -> dict:
         for step in steps:
             args = (params, opt, place(mesh, batch(step)), lr(step), np.int32(step))
             if "step" not in entry:
-                entry["step"] = fns.fused_jit.lower(*args).compile()
+                entry["step"] = fns.fused.lower(*args).compile()
             params, opt, stats = entry["step"](*args)
             losses.append(float(stats["loss"]))
             if step == save_at:
@@ -241,7 +241,9 @@ def _measure(memory_seq: int | None = None) -> dict:
     for name, s, axes in forwards + [(name, spec_yarn, axes) for name, axes in composed.items()]:
         mesh, m, _ = prepared(s, recipe_for(False), axes)
         positions = jnp.asarray(sh.sequence_positions(mesh, SEQ))
-        forward = jax.jit(lambda p, x, m=m, positions=positions: nnx.merge(m.graphdef, p)(x, None, positions))
+        forward = jax.jit(
+            lambda p, x, m=m, positions=positions: nnx.merge(m.graphdef, p)(x, positions=positions).logits
+        )
         placed = jax.device_put(m.params, m.params_sh)
         x = jnp.asarray(sh.to_context_order(ids, mesh))
         program = forward.lower(placed, x).compile()

@@ -35,19 +35,19 @@ from olmo_train_jax.model import build_model  # noqa: E402
 MIXTURE = Path(__file__).resolve().parents[3] / "recipes" / "mixtures" / "olmo3-stage1.yaml"
 SEQ = 256
 WINDOW = 64
-SPEC = dict(
-    name="dry-run-test",
-    d_model=256,
-    n_layers=8,
-    n_heads=2,
-    mlp_hidden=512,
-    vocab_size=4096,
-    padded_vocab_size=4096,
-    eos_token_id=0,
-    pad_token_id=1,
-    sliding_window=WINDOW,
-    max_position_embeddings=4096,
-)
+SPEC = {
+    "name": "dry-run-test",
+    "d_model": 256,
+    "n_layers": 8,
+    "n_heads": 2,
+    "mlp_hidden": 512,
+    "vocab_size": 4096,
+    "padded_vocab_size": 4096,
+    "eos_token_id": 0,
+    "pad_token_id": 1,
+    "sliding_window": WINDOW,
+    "max_position_embeddings": 4096,
+}
 GIB = 2**30
 
 

@@ -26,8 +26,8 @@ from olmo_train_jax.model import REMAT_POLICIES
 jax.config.update("jax_enable_x64", False)  # float32 throughout, like the trainers
 
 SEQ = 128  # > every tiny window (16, 32) and > tiny-yarn's original context (64)
-_forward = nnx.jit(lambda model, ids: model(ids))
-_forward_docs = nnx.jit(lambda model, ids, doc_ids: model(ids, doc_ids))
+_forward = nnx.jit(lambda model, ids: model(ids).logits)
+_forward_docs = nnx.jit(lambda model, ids, doc_ids: model(ids, doc_ids).logits)
 
 
 def _spec(name: str) -> ModelSpec:
@@ -99,6 +99,36 @@ def test_logits_match_numpy_reference(name):
     ours = np.asarray(_forward(model_from_hf(spec, params), jnp.asarray(ids)))
     ref = reference.forward(spec, params, ids)
     _assert_matches(ours, ref)
+
+
+def test_labels_give_the_fused_loss_sums_of_the_numpy_reference_instead_of_logits():
+    spec = get_preset("tiny-gqa")
+    params = reference.init_params(spec, seed=12)
+    model = model_from_hf(spec, params)
+    ids = _ids(spec, seq=64, seed=12)
+    labels = np.roll(ids, -1, axis=1)
+    labels[:, -1] = -100
+    labels[1, :7] = -100  # rows with different valid counts: sums, not means per row
+    out = nnx.jit(lambda m, i, y: m(i, labels=y))(model, jnp.asarray(ids), jnp.asarray(labels))
+    assert out.logits is None and out.moe is None and out.loss_sums.shape == (3,)
+    ref = reference.loss(spec, params, ids, labels)
+    n = int((labels != -100).sum())
+    objective, ce, z = (float(v) for v in np.asarray(out.loss_sums, np.float64))
+    # Logits are within 1e-4 of the reference (test_logits_match_numpy_reference), so a token's CE
+    # (lse - target) moves by at most 2e-4 and its lse^2 by 2 |lse| 1e-4; the float32 sums of n
+    # terms add at most n 2^-24 of their total on top.
+    ref_logits = reference.forward(spec, params, ids)[labels != -100]
+    top = ref_logits.max(-1)
+    lse_max = float(np.abs(np.log(np.exp(ref_logits - top[:, None]).sum(-1)) + top).max())
+    rounding = n * 2.0**-24
+    assert abs(ce / n - ref["ce"]) <= 2e-4 + rounding * ref["ce"]
+    assert abs(z / n - ref["z_loss"]) <= 2 * lse_max * 1e-4 + rounding * ref["z_loss"]
+    assert abs(objective / n - ref["total"]) <= 2e-4 + 2 * spec.z_loss_weight * lse_max * 1e-4 + rounding * ref["total"]
+    assert objective == pytest.approx(ce + spec.z_loss_weight * z, rel=1e-6)  # the same float32 sums
+    without = model(jnp.asarray(ids))
+    assert without.loss_sums is None and without.logits.shape == (*ids.shape, spec.padded_vocab_size)
+    with pytest.raises(ValueError, match=r"labels shape \(2, 63\) differs from input_ids shape \(2, 64\)"):
+        model(jnp.asarray(ids), labels=jnp.asarray(labels[:, :-1]))
 
 
 def test_yarn_is_applied_beyond_original_context():
@@ -207,7 +237,7 @@ def test_remat_policies_change_what_is_saved_not_the_gradients():
     seq = ids.shape[1] - 1
 
     def loss(model):
-        logits = model(ids[:, :-1])
+        logits = model(ids[:, :-1]).logits
         return -jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, 1:, None], -1).mean()
 
     # What the backward pass keeps, by shape only (traced, not run): the leaves of the vjp.

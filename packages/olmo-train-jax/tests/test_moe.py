@@ -53,12 +53,6 @@ def _ids(spec, batch=2, seq=48, seed=0):
     return np.random.default_rng(seed).integers(0, spec.vocab_size, (batch, seq)).astype(np.int32)
 
 
-def _jitted(model, **kwargs):
-    graphdef, state = nnx.split(model)
-    fn = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward_with_aux(ids, **kwargs))
-    return fn, state
-
-
 def _labels(ids):
     labels = np.roll(ids, -1, axis=1).astype(np.int32)
     labels[:, -1] = IGNORE
@@ -86,7 +80,8 @@ def _loss_fn(graphdef, spec, routing="learned"):
     """(total loss, (logits, stats)), CE and z-loss as reference.loss defines them."""
 
     def fn(state, ids, labels):
-        logits, stats = nnx.merge(graphdef, state).forward_with_aux(ids, routing=routing)
+        out = nnx.merge(graphdef, state)(ids, routing=routing)
+        logits, stats = out.logits, out.moe
         keep = labels != IGNORE
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, jnp.where(keep, labels, 0)[..., None], axis=-1)[..., 0]
@@ -115,7 +110,8 @@ def test_tiny_moe_logits_aux_and_total_loss_match_numpy_reference():
     ids = _ids(spec, seq=40)
     labels = _labels(ids)
     graphdef, state = nnx.split(model_from_hf(spec, params))
-    logits, stats = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward_with_aux(ids))(state, ids)
+    out = jax.jit(lambda st, ids: nnx.merge(graphdef, st)(ids))(state, ids)
+    logits, stats = out.logits, out.moe
     _check_against_reference(spec, params, ids, labels, logits, stats, _numpy_total(spec, logits, stats, labels))
 
 
@@ -235,7 +231,7 @@ def test_logits_match_transformers_olmoe_for_causal_lm(normalize):
     with torch.no_grad():
         want = hf(input_ids=torch.from_numpy(ids)).logits.numpy()
     with jax.default_matmul_precision("highest"):
-        got = np.asarray(jax.jit(lambda m, x: m(x))(model_from_hf(spec, params), jnp.asarray(ids)))
+        got = np.asarray(jax.jit(lambda m, x: m(x).logits)(model_from_hf(spec, params), jnp.asarray(ids)))
     assert np.abs(got - want).max() <= 1e-4
     assert np.abs(got - reference.forward(spec, params, ids)).max() <= 1e-4
 
@@ -311,7 +307,7 @@ def test_uniform_routing_is_exactly_balanced_and_router_untrained():
     params = reference.init_params(spec, seed=8)
     ids = _ids(spec, batch=2, seq=32)
     graphdef, state = nnx.split(model_from_hf(spec, params))
-    _, stats = jax.jit(lambda st, ids: nnx.merge(graphdef, st).forward_with_aux(ids, routing="uniform"))(state, ids)
+    stats = jax.jit(lambda st, ids: nnx.merge(graphdef, st)(ids, routing="uniform").moe)(state, ids)
     # 64 tokens x 4 slots over 8 experts in 4 layers: 32 per expert per layer.
     np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), np.full(8, 4 * 32))
     assert rank_load_max_over_mean(np.asarray(stats.tokens_per_expert), 4) == 1.0
@@ -337,18 +333,18 @@ def test_random_routing_in_the_model_depends_on_step_and_layer():
     spec = TINY_MOE
     model = model_from_hf(spec, reference.init_params(spec, seed=9))
     graphdef, state = nnx.split(model)
-    fwd = jax.jit(lambda st, ids, key: nnx.merge(graphdef, st).forward_with_aux(ids, routing="random", routing_key=key))
+    fwd = jax.jit(lambda st, ids, key: nnx.merge(graphdef, st)(ids, routing="random", routing_key=key).logits)
     ids = _ids(spec, batch=2, seq=32)
     base = jax.random.key(0)
-    a, _ = fwd(state, ids, jax.random.fold_in(base, 1))
-    b, _ = fwd(state, ids, jax.random.fold_in(base, 1))
-    c, _ = fwd(state, ids, jax.random.fold_in(base, 2))
+    a = fwd(state, ids, jax.random.fold_in(base, 1))
+    b = fwd(state, ids, jax.random.fold_in(base, 1))
+    c = fwd(state, ids, jax.random.fold_in(base, 2))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-3
     with pytest.raises(ValueError, match="routing_key"):
-        model.forward_with_aux(jnp.asarray(ids), routing="random")
+        model(jnp.asarray(ids), routing="random")
     with pytest.raises(ValueError, match="routing='greedy' is unknown"):
-        model.forward_with_aux(jnp.asarray(ids), routing="greedy")
+        model(jnp.asarray(ids), routing="greedy")
 
 
 def test_hf_round_trip_and_interleaved_layers_refused():

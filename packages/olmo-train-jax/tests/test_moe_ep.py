@@ -84,7 +84,8 @@ def _measure() -> dict:
         opt = tx.init(params)
 
         def loss_fn(p, ids, labels):
-            logits, stats = nnx.merge(graphdef, p).forward_with_aux(ids)
+            out = nnx.merge(graphdef, p)(ids)
+            logits, stats = out.logits, out.moe
             lse = jax.nn.logsumexp(logits, axis=-1)
             ce = jnp.mean(lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0])
             return ce + spec.z_loss_weight * jnp.mean(lse * lse) + aux_loss(stats, spec.moe), stats
@@ -125,10 +126,9 @@ def _measure() -> dict:
         params = nnx.to_pure_dict(state)
         if mesh is not None:
             params = placed(params, mesh)
-        fn = jax.jit(
-            lambda p, ids, key: nnx.merge(graphdef, p).forward_with_aux(ids, routing="random", routing_key=key)
-        )
-        return fn(params, ids, key)
+        fn = jax.jit(lambda p, ids, key: nnx.merge(graphdef, p)(ids, routing="random", routing_key=key))
+        out = fn(params, ids, key)
+        return out.logits, out.moe
 
     (logits_l, stats_l), (logits_e, stats_e) = forward(None), forward(mesh_of(2, 2))
     results["random_logits_max_diff"] = float(np.abs(np.asarray(logits_l) - np.asarray(logits_e)).max())

@@ -4,11 +4,12 @@ Runs that need several simulated devices, or a hard crash, are subprocesses with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N``; one-device runs call ``cli.main``
 in-process. The data is a small synthetic mixture written by the tests (sequence 64, global
 batch 16 sequences), except for the default-job test, which trains on the embedded sample.
+What both trainers promise alike (the train-line keys, exact resume after SIGKILL, bad input,
+HF init, elastic resume) is tested once for both in the root tests/test_trainer_contract.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,10 +20,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmo_data import MixtureLoader, load_mixture
 from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import load_recipe
-from olmo_model.runlog import TRAIN_KEYS, complete_checkpoints, read_meta, read_metrics
+from olmo_model.runlog import complete_checkpoints, read_meta, read_metrics
 from olmo_train_jax.cli import main
 
 STEPS = 20
@@ -38,8 +38,6 @@ BASE = [
 ]
 # 8 devices: data 4 x fsdp 2 (sharded weights and AdamW state), 2 sequences per device.
 EIGHT = ["--jax.mesh.data=4", "--jax.mesh.fsdp=2", "--train.micro_batch_size=2"]
-# The elastic resume on 2 devices: tensor parallel, no data parallel, 8 micro-steps of 2.
-TWO = ["--jax.mesh.data=1", "--jax.mesh.tensor=2", "--train.micro_batch_size=2"]
 
 
 def _documents(rng: np.random.Generator, n_tokens: int) -> np.ndarray:
@@ -89,15 +87,6 @@ def train_losses(run_dir: Path) -> dict[int, float]:
     return {s: r["loss"] for s, r in train_records(run_dir).items()}
 
 
-def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under folder with the sha256 of its bytes."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def mixture(tmp_path_factory) -> Path:
     return write_mixture(tmp_path_factory.mktemp("mixture"))
@@ -121,25 +110,6 @@ def eight_device_run(mixture, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_metrics_keys_and_lr_follow_the_schedule(one_device_run):
-    recipe = load_recipe(one_device_run / "recipe.yaml", [])
-    records = read_metrics(one_device_run)
-    train = [r for r in records if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
-    for r in train:
-        assert tuple(r) == TRAIN_KEYS
-        assert r["lr"] == recipe.schedule.lr(r["step"], recipe.optim.lr, STEPS)
-        assert r["tokens_seen"] == r["step"] * 16 * 64
-        assert r["mfu_peak"].startswith("measured cpu fp32 matmul")
-    evals = [r for r in records if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [10, 20]
-    held = evals[-1]["eval"]["held"]
-    assert held["tokens"] == 16 * 64 and held["perplexity"] == pytest.approx(np.exp(held["loss"]))
-    assert [s for s, _ in complete_checkpoints(one_device_run)] == [10, 20]
-    assert (one_device_run / "loss.png").exists()
-    assert all(r["memory_kind"] == "host_rss" and 0 < r["memory_gib"] <= r["memory_peak_gib"] for r in train)
-
-
 def test_tensorboard_sink_and_profile_trace(one_device_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -154,25 +124,6 @@ def test_tensorboard_sink_and_profile_trace(one_device_run):
     # jax.profiler's trace of steps 3-4: TensorBoard's profile plugin layout, one xplane per host.
     (trace,) = (one_device_run / "profile" / "steps_3-4").glob("plugins/profile/*/*.xplane.pb")
     assert trace.stat().st_size > 1000
-
-
-def test_exact_resume_after_sigkill(mixture, one_device_run, tmp_path):
-    run_dir = tmp_path / "killed"
-    args = [*BASE, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
-    killed = run_subprocess(args, kill_after=10)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [10]
-    resumed = run_subprocess(args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
-    want, got = train_losses(one_device_run), train_losses(run_dir)
-    assert sorted(got) == list(range(1, STEPS + 1))
-    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]  # bitwise
-    # A complete run restarted is a no-op that writes nothing.
-    before = snapshot(run_dir)
-    again = run_subprocess(args)
-    assert again.returncode == 0 and "already complete" in again.stdout
-    assert snapshot(run_dir) == before
 
 
 def loss_tolerance(loss: float) -> float:
@@ -197,73 +148,6 @@ def test_eight_devices_match_one_device(one_device_run, eight_device_run):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (s, a["grad_norm"], b["grad_norm"])
     # The comparison means something only if training moves the loss far more than the bound.
     assert one[1]["loss"] - one[STEPS]["loss"] > 50 * loss_tolerance(one[1]["loss"])
-
-
-def test_elastic_resume_on_two_devices(mixture, eight_device_run, tmp_path):
-    run_dir = tmp_path / "elastic"
-    shutil.copytree(eight_device_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step_00000020")
-    done = run_subprocess([*BASE, *TWO, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], devices=2)
-    assert done.returncode == 0, done.stderr[-3000:]
-    # The layout changes with the device count; the global batch does not.
-    assert "written with global batch 16 = 2 per device x 8 data-parallel x 1 accumulation" in done.stdout
-    assert "batch layout: global batch 16 = 2 per device x 1 data-parallel x 8 accumulation" in done.stdout
-    want, got = train_losses(eight_device_run), train_losses(run_dir)
-    for s in range(11, STEPS + 1):
-        assert abs(got[s] - want[s]) <= loss_tolerance(want[s]), (s, got[s], want[s])
-
-    # The global batches after the resume: from the checkpoint's loader state, read as two
-    # ranks, they equal the uninterrupted order read as eight ranks.
-    state = read_meta(run_dir / "checkpoints" / "step_00000010")["loader_state"]
-    assert state["step"] == 10
-    mix = load_mixture(mixture)
-
-    def digests(loaders, count):
-        iters = [iter(ld) for ld in loaders]
-        out = []
-        for _ in range(count):
-            rows = [next(it)["input_ids"] for it in iters]
-            out.append(hashlib.sha256(np.concatenate(rows).tobytes()).hexdigest())
-        for it in iters:
-            it.close()
-        return out
-
-    resumed = [MixtureLoader(mix, 16, dp_rank=r, dp_size=2, prefetch=0) for r in range(2)]
-    for ld in resumed:
-        ld.load_state_dict(state)
-    straight = [MixtureLoader(mix, 16, dp_rank=r, dp_size=8, start_step=10, prefetch=0) for r in range(8)]
-    assert digests(resumed, 10) == digests(straight, 10)
-
-
-def test_bad_input_leaves_the_run_dir_untouched(mixture, one_device_run, tmp_path, capsys):
-    def fails(args: list[str], needle: str) -> None:
-        capsys.readouterr()
-        assert main(args) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and needle in err, err
-
-    fresh = tmp_path / "fresh"
-    fails([*BASE, f"--data.mixture={mixture}", f"--run_dir={fresh}", "--optim.lrr=1"], "optim.lrr")
-    fails([*BASE, f"--data.mixture={mixture}", f"--run_dir={fresh}", "--train.micro_batch_size=3"], "micro_batch_size")
-    fails([*BASE, f"--data.mixture={mixture}", f"--run_dir={fresh}", "--train.global_batch_tokens=1000"], "1000")
-    assert not fresh.exists()
-
-    existing = tmp_path / "existing"
-    shutil.copytree(one_device_run, existing)
-    before = snapshot(existing)
-    fails([*BASE, "--model=tiny-gqa", f"--data.mixture={mixture}", f"--run_dir={existing}"], "n_kv_heads")
-    assert snapshot(existing) == before
-
-    # The same data under another folder has the same fingerprint (a complete run: nothing to
-    # do); one more token in a training file changes it and the resume is refused.
-    copy = tmp_path / "mixture-copy"
-    shutil.copytree(mixture.parent, copy)
-    assert main([*BASE, f"--data.mixture={copy / 'mixture.yaml'}", f"--run_dir={existing}"]) == 0
-    assert snapshot(existing) == before
-    with open(copy / "train_b.bin", "ab") as f:
-        f.write(np.asarray([5, 0], np.uint16).tobytes())
-    fails([*BASE, f"--data.mixture={copy / 'mixture.yaml'}", f"--run_dir={existing}"], "fingerprint")
-    assert snapshot(existing) == before
 
 
 def test_default_job_loss_falls(tmp_path):
@@ -322,51 +206,6 @@ def test_spike_guard_skips_leave_the_optimizer_untouched(mixture, tmp_path):
     assert len(meta["spike_guard"]["losses"]) == steps - len(skipped)
     assert meta["loader_state"]["step"] == steps
     assert adam_count(run_dir, ckpt) == steps - len(skipped)  # Adam's step count saw only accepted steps
-
-
-def test_first_loss_from_hf_weights_matches_transformers(mixture, tmp_path):
-    """init.checkpoint=hf:DIR loads the weights, and the logged step-1 loss equals CE + z-loss
-    computed by transformers' Olmo3ForCausalLM on the loader's first global batch."""
-    import torch
-    from safetensors.numpy import save_file
-    from transformers import Olmo3Config, Olmo3ForCausalLM
-
-    from olmo_model import get_preset, hf_config
-    from olmo_train_jax.hf_adapter import to_hf
-    from olmo_train_jax.model import build_model
-
-    spec = get_preset("tiny")
-    tensors = {k: np.ascontiguousarray(v, np.float32) for k, v in to_hf(build_model(spec, seed=5), spec).items()}
-    hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    save_file(tensors, hf_dir / "model.safetensors")
-    run_dir = tmp_path / "from-hf"
-    assert (
-        main(
-            [
-                *BASE,
-                "--train.steps=1",
-                f"--init.checkpoint=hf:{hf_dir}",
-                f"--data.mixture={mixture}",
-                f"--run_dir={run_dir}",
-            ]
-        )
-        == 0
-    )
-
-    reference = Olmo3ForCausalLM(Olmo3Config(**hf_config(spec))).double().eval()
-    reference.load_state_dict({k: torch.from_numpy(v).double() for k, v in tensors.items()}, strict=True)
-    batch = MixtureLoader(load_mixture(mixture), 16, prefetch=0).batch_at(0)
-    with torch.no_grad():
-        logits = reference(input_ids=torch.from_numpy(batch["input_ids"]).long()).logits
-    labels = torch.from_numpy(batch["labels"]).long()
-    valid = labels != -100
-    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
-    z = (torch.logsumexp(logits, dim=-1) ** 2)[valid].sum()
-    want = float((ce + spec.z_loss_weight * z) / valid.sum())
-    # fp32 against a float64 reference on the same weights: the loss sum's rounding alone.
-    tol = fp32_mean_tolerance(want, int(valid.sum()), both_fp32=False)
-    assert abs(train_losses(run_dir)[1] - want) <= tol, (train_losses(run_dir)[1], want)
 
 
 def test_init_from_our_checkpoint_takes_its_weights_and_moments(mixture, one_device_run, tmp_path):

@@ -25,7 +25,7 @@ from olmo_model.recipe import RecipeError, load_recipe
 from olmo_train_jax import sharding
 from olmo_train_jax.head_loss import chunk_positions, head_loss_sums
 from olmo_train_jax.model import build_model
-from olmo_train_jax.train import decay_mask, make_optimizer, make_step_functions, token_loss_sums
+from olmo_train_jax.train import decay_mask, for_mesh, step_functions, token_loss_sums
 
 
 def test_loss_sums_match_torch_cross_entropy():
@@ -187,13 +187,10 @@ def test_fused_step_with_accumulation_matches_numpy_adamw():
     recipe = load_recipe(
         None, ["--optim.grad_clip=0.05", "--optim.weight_decay=0.1", "--optim.lr=1e-2", "--train.document_masking=true"]
     )
-    graphdef, state = nnx.split(build_model(spec, seed=3))
-    params = nnx.to_pure_dict(state)
-    tx = make_optimizer(params, recipe)
     mesh = sharding.make_mesh({"data": -1})
-    params_sh = sharding.param_shardings(params, spec, mesh)
-    opt_sh = sharding.state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
-    fns = make_step_functions(graphdef, spec, recipe, tx, params_sh, opt_sh, mesh)
+    m = for_mesh(build_model(spec, seed=3), spec, recipe, mesh)
+    graphdef, params, tx = m.graphdef, m.params, m.tx
+    fns = step_functions(m, spec, recipe, mesh)
 
     rng = np.random.default_rng(1)
     ids = rng.integers(0, spec.vocab_size, size=(4, 16)).astype(np.int32)
@@ -205,7 +202,7 @@ def test_fused_step_with_accumulation_matches_numpy_adamw():
 
     def reference_loss(p):
         # One forward over the whole batch, mean over valid tokens: what accumulation must equal.
-        logits = nnx.merge(graphdef, p)(jnp.asarray(ids), jnp.asarray(docs))
+        logits = nnx.merge(graphdef, p)(jnp.asarray(ids), jnp.asarray(docs)).logits
         logp = jax.nn.log_softmax(logits, axis=-1)
         valid = labels != -100
         picked = jnp.sum(jax.nn.one_hot(np.where(valid, labels, 0), logits.shape[-1]) * logp, axis=-1)
@@ -221,9 +218,11 @@ def test_fused_step_with_accumulation_matches_numpy_adamw():
     start = _flat(params)
     lrs, grads_seen = [3e-3, 1e-2, 5e-3], []
     cur, opt_state = params, jax.jit(tx.init)(params)
-    fused_params, _, fused_stats = fns.fused(jax.tree.map(jnp.copy, params), tx.init(params), batch, np.float32(lrs[0]))
+    fused_params, _, fused_stats = fns.fused(
+        jax.tree.map(jnp.copy, params), tx.init(params), batch, np.float32(lrs[0]), np.int32(1)
+    )
     for t, lr in enumerate(lrs):
-        grads, stats = fns.grads(cur, batch)
+        grads, stats = fns.grads(cur, batch, np.int32(t + 1))
         loss_ref, g_ref = reference_grad(cur)
         assert float(stats["loss"]) == pytest.approx(float(loss_ref), rel=1e-6)
         got_g, ref_g = _flat(grads), _flat(g_ref)

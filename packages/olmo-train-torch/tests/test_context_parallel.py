@@ -131,9 +131,9 @@ def _worker(out_path: str) -> None:
         t_docs = context.shard(torch.from_numpy(docs[rows]))
         with torch.no_grad():
             context.bytes_sent.update({"global": 0, "sliding": 0})
-            plain = model(t_ids).numpy()
+            plain = model(t_ids).logits.numpy()
             sent = dict(context.bytes_sent)
-            masked = model(t_ids, t_docs).numpy()
+            masked = model(t_ids, t_docs).logits.numpy()
         shards = gather_obj((context.rank, context.dp_rank, plain, masked, sent))
         if rank == 0:
             layout = ContextLayout(SEQ, cp)

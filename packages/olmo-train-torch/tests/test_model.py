@@ -1,6 +1,7 @@
 """OlmoModel against independent references: transformers' Olmo3ForCausalLM (same weights
 through to_hf) and olmo_model.reference (float64 numpy); plus windowing, document masking,
-init statistics and the HF adapter's checks. CPU, float32, 4-layer tiny specs, seq > window."""
+init statistics, the output type and the HF adapter's checks. CPU, float32, 4-layer tiny
+specs, seq > window."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from transformers import Olmo3Config, Olmo3ForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from olmo_data.order import IGNORE_INDEX
 from olmo_model import get_preset, hf_config, reference
+from olmo_model.output import ModelOutput
 from olmo_model.rope import rope_inv_freq
 from olmo_train_torch import CheckpointMismatchError, build_model, load_hf, model_from_hf, to_hf
 
@@ -52,7 +56,7 @@ def test_matches_transformers(preset, seq):
     model = build_model(spec, seed=0)
     ids = random_ids(spec, 2, seq)
     with torch.no_grad():
-        ours = model(ids)
+        ours = model(ids).logits
         ref = hf_model(spec, model)(ids).logits
     assert ours.shape == (2, seq, spec.padded_vocab_size) and ours.dtype == torch.float32
     assert_logits_match(ours, ref)
@@ -75,7 +79,7 @@ def test_matches_numpy_reference(preset, changes, seq):
     model = model_from_hf(spec, params)
     ids = random_ids(spec, 2, seq, seed=4)
     with torch.no_grad():
-        ours = model(ids)
+        ours = model(ids).logits
     ref = torch.from_numpy(reference.forward(spec, params, ids.numpy()))
     assert_logits_match(ours, ref)
 
@@ -86,7 +90,7 @@ def test_bfloat16_forward_tracks_reference():
     model = model_from_hf(spec, params, dtype=torch.bfloat16)
     ids = random_ids(spec, 1, 64)
     with torch.no_grad():
-        ours = model(ids)
+        ours = model(ids).logits
     assert ours.dtype == torch.bfloat16
     ref = reference.forward(spec, params, ids.numpy())
     # bf16 keeps 8 mantissa bits: logits of magnitude ~1 carry errors of a few 1e-3.
@@ -127,7 +131,7 @@ def test_sliding_layers_really_window():
     full.load_state_dict(windowed.state_dict())
     ids = random_ids(spec, 2, 96)
     with torch.no_grad():
-        a, b = windowed(ids), full(ids)
+        a, b = windowed(ids).logits, full(ids).logits
     # Queries before the window's end see the same keys either way; later ones do not.
     assert (a[:, :window] - b[:, :window]).abs().max().item() <= 1e-6
     assert (a[:, window:] - b[:, window:]).abs().amax(dim=(0, 2)).min().item() > 1e-3
@@ -159,13 +163,13 @@ def test_doc_ids_mask_documents():
     doc_ids[1, 10:] = 7
     doc_ids[1, 70:] = 8
     with torch.no_grad():
-        ours = model(ids, doc_ids=doc_ids)
+        ours = model(ids, doc_ids=doc_ids).logits
         # transformers with explicit masks; its default positions 0..S-1 continue across documents.
         ref = hf_model(spec, model)(ids, attention_mask=_doc_masks(doc_ids, spec.sliding_window)).logits
         # RoPE scores depend only on q - k, so a document run alone (positions from 0)
         # gives the same logits as inside the packed row.
-        alone = model(ids[:1, 40:])
-        plain = model(ids)
+        alone = model(ids[:1, 40:]).logits
+        plain = model(ids).logits
     assert_logits_match(ours, ref)
     assert (ours[:1, 40:] - alone).abs().max().item() <= 1e-5
     assert (ours[:1, :40] - plain[:1, :40]).abs().max().item() <= 1e-6
@@ -213,11 +217,43 @@ def test_inference_mode_call_leaves_caches_usable_for_training():
     model = build_model(get_preset("tiny"))
     ids = random_ids(model.spec, 1, 48)
     with torch.inference_mode():
-        evaluated = model(ids)
-    trained = model(ids)
+        evaluated = model(ids).logits
+    trained = model(ids).logits
     trained.float().logsumexp(-1).mean().backward()
     assert torch.equal(evaluated, trained.detach())
     assert model.blocks[0].attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_forward_returns_one_output_type_with_and_without_labels(preset):
+    """``forward`` returns a ``ModelOutput``: the logits without labels; with labels, no logits
+    and the fused head's sums ``[ce + z_w * z, ce, z]`` over labels != IGNORE_INDEX (written
+    here in float64 from the unfused logits); the MoE layers' stats, the same either way (the
+    head does not touch them), or None for a dense spec."""
+    spec = get_preset(preset)
+    model = build_model(spec, seed=0)
+    ids, labels = random_ids(spec, 2, 40), random_ids(spec, 2, 40, seed=2)
+    labels[0, :5] = IGNORE_INDEX
+    with torch.no_grad():
+        plain, fused = model(ids), model(ids, labels=labels)
+    assert isinstance(plain, ModelOutput) and isinstance(fused, ModelOutput)
+    assert plain.loss_sums is None and fused.logits is None
+    logits = plain.logits.double()
+    flat = logits.reshape(-1, logits.shape[-1])
+    ce = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    z = (torch.logsumexp(logits, -1)[labels != IGNORE_INDEX] ** 2).sum()
+    assert fused.loss_sums.dtype == torch.float32 and fused.loss_sums.shape == (3,)
+    # float32 sums of 75 terms (CE ~8, z ~70 each) against float64: float32 rounding, ~1e-6 relative.
+    want = torch.stack([ce + spec.z_loss_weight * z, ce, z])
+    torch.testing.assert_close(fused.loss_sums.double(), want, rtol=1e-5, atol=0)
+    if spec.moe is None:
+        assert plain.moe is None and fused.moe is None
+        return
+    assert len(plain.moe) == len(fused.moe) == sum(spec.is_moe_layer(i) for i in range(spec.n_layers))
+    for a, b in zip(plain.moe, fused.moe, strict=True):
+        for name in ("tokens_per_expert", "prob_sum", "z_sum"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert a.n_tokens == ids.numel()
 
 
 # ---- HF adapter --------------------------------------------------------------------------

@@ -158,7 +158,8 @@ def _train(model, group, rank: int, world: int, wrapped=None, steps: int = STEPS
     for step in range(steps):
         ids, labels = _batch(step)
         ids, labels = ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per]
-        logits, stats = module(ids, return_moe_stats=True)
+        out = module(ids)
+        logits, stats = out.logits, out.moe
         flat = logits.float().reshape(-1, logits.shape[-1])
         lse = torch.logsumexp(flat, -1)
         ce_sum = F.cross_entropy(flat, labels.reshape(-1), reduction="sum")

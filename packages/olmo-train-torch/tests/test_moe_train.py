@@ -89,7 +89,8 @@ def test_train_step_loss_matches_numpy_reference_per_micro_batch(micro_batch):
     n = (t_labels != -100).sum()
     total = 0.0
     for r in range(0, 4, micro_batch):
-        logits, moe_stats = f64(t_ids[r : r + micro_batch], return_moe_stats=True)
+        out = f64(t_ids[r : r + micro_batch])
+        logits, moe_stats = out.logits, out.moe
         flat, lab = logits.reshape(-1, logits.shape[-1]), t_labels[r : r + micro_batch].reshape(-1)
         lse = torch.logsumexp(flat, -1)[lab != -100]
         ce = F.cross_entropy(flat, lab, ignore_index=-100, reduction="sum") / n

@@ -98,7 +98,7 @@ def _reference_steps(model, batches, recipe, spec):
     out = []
     for t, (batch, lr) in enumerate(batches, start=1):
         ids, labels, docs = (torch.from_numpy(batch[k]).long() for k in ("input_ids", "labels", "doc_ids"))
-        logits = model(ids, docs).double()
+        logits = model(ids, docs).logits.double()
         valid = labels != -100
         n = valid.sum()
         ce = (

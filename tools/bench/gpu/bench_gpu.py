@@ -19,7 +19,7 @@ backward, global-norm clip 1.0, AdamW. Each is run the way its trainer runs a si
   launches it), so ``torch.parallel=fsdp`` wraps each block with FSDP2 and
   MixedPrecisionPolicy(bf16 params, fp32 reduce); ``--compile`` compiles each block
   (``torch.compile: true``); fused AdamW; SDPA attention (causal at this length: window 4096).
-- olmo-train-jax: ``train.make_step_functions`` (one jitted step, donated params and state) on a
+- olmo-train-jax: ``train.step_functions`` (one jitted step, donated params and state) on a
   one-device mesh; attention per ``jax.attention`` (auto = cuDNN's fused flash attention).
 - OLMo-core: tools/bench/olmo_core/train_peer.py ``--device cuda --precision bf16`` (its own
   ``TransformerConfig.olmo3_1B``, FSDP bf16, ``apply_compile``, SkipStepAdamW), when its wheel
@@ -242,7 +242,7 @@ def cmd_jax(args) -> None:
             "doc_ids": np.zeros_like(tokens[None, :, 1:]),
         }
         b = {k: jnp.asarray(v) for k, v in b.items()}
-        carry[0], carry[1], stats = fns.fused(carry[0], carry[1], b, lr)
+        carry[0], carry[1], stats = fns.fused(carry[0], carry[1], b, lr, np.int32(1))
         return float(stats["loss"])
 
     first, times, losses = _run_steps(step, data, args.warmup, args.max_seconds)

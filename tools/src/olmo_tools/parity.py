@@ -84,7 +84,7 @@ def load_side(text: str, impl: str | None, dtype: str, spec: str | None = None) 
 
             def run(ids: np.ndarray) -> np.ndarray:
                 with torch.no_grad():
-                    return model(torch.from_numpy(ids)).float().numpy()
+                    return model(torch.from_numpy(ids)).logits.float().numpy()
 
         elif impl == "jax":
             require_jax(text)
@@ -99,7 +99,7 @@ def load_side(text: str, impl: str | None, dtype: str, spec: str | None = None) 
                 ckpt.spec, {n: torch_to_numpy(t) for n, t in tensors.items()}, param_dtype=dtype, dtype=dtype
             )
             del tensors
-            forward = nnx.jit(lambda m, ids: m(ids))
+            forward = nnx.jit(lambda m, ids: m(ids).logits)
 
             def run(ids: np.ndarray) -> np.ndarray:
                 return np.asarray(forward(jax_model, jnp.asarray(ids)), dtype=np.float32)

@@ -5,7 +5,7 @@ step compiled ahead of time for a TPU topology on this machine, and the compiler
 What is compiled: the abstract model (``nnx.eval_shape``), prepared for a mesh over the topology's
 devices by the trainer's own ``train.for_mesh`` (so the TPU kernels are chosen, not the host's), the
 parameter / AdamW shardings and the batch layout the trainer derives (``sharding``, ``batch_layout``),
-and the fused step of ``train.make_step_functions`` (forward, fused head + loss, backward, gradient
+and the fused step of ``train.step_functions`` (forward, fused head + loss, backward, gradient
 accumulation in a scan when the layout has it, clipping, AdamW; parameters and moments donated),
 lowered on ``jax.ShapeDtypeStruct`` arguments that carry those shardings.
 
@@ -345,7 +345,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         attention=recipe.jax.attention,
     )
     m = train.for_mesh(nnx.eval_shape(make_model), spec, recipe, mesh)
-    fns = train.make_step_functions(m.graphdef, spec, recipe, m.tx, m.params_sh, m.opt_sh, mesh)
+    fns = train.step_functions(m, spec, recipe, mesh)
 
     def shaped(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
@@ -388,7 +388,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         method=method,
         notes=notes,
     )
-    lowered = fns.fused_jit.lower(params, opt_state, batch, lr, step)
+    lowered = fns.fused.lower(params, opt_state, batch, lr, step)
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA's runtime error type is private; only an out-of-memory is a result

@@ -46,8 +46,11 @@ layout's order; the caller passes each column's true position, which RoPE/YaRN a
 Linear weights are (in, out) kernels, the JAX convention; ``hf_adapter`` transposes to and
 from transformers' (out, in). Parameters live in ``param_dtype`` (float32 master weights);
 the forward casts each layer's weights to the compute ``dtype`` as the scan reaches it.
-RMSNorm and RoPE compute in float32; logits come back in float32 for the loss. This module
-holds no sharding: a trainer's sharding module places the parameters from outside.
+RMSNorm and RoPE compute in float32; logits come back in float32. Given labels, the model
+returns the loss sums instead of the logits (``OlmoModel.__call__``): the output head and the
+loss run fused over chunks of positions (``head_loss``), so a training step never holds the
+full [tokens, vocab] logits. This module holds no sharding: a trainer's sharding module places
+the parameters from outside.
 """
 
 from __future__ import annotations
@@ -63,9 +66,11 @@ from flax import nnx
 
 from olmo_model import FULL, SLIDING, ModelSpec
 from olmo_model.moe import check_routing
+from olmo_model.output import ModelOutput
 from olmo_model.rope import rope_inv_freq
 
 from .causal_attention import ContextSetup, blocked_causal_attention, context_attention
+from .head_loss import head_loss_sums
 from .layers import linear, rms_norm, swiglu_down
 from .moe import ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
 from .precision import matmul_precision
@@ -268,21 +273,24 @@ class StackedLayers(nnx.Module):
 
 
 class OlmoModel(nnx.Module):
-    """Olmo 3 decoder: ``model(input_ids [B, S] int32, doc_ids=None) -> logits [B, S, padded_vocab]``;
-    ``model.forward_with_aux(...)`` also returns the MoE routing statistics.
+    """Olmo 3 decoder: ``model(input_ids [B, S] int32, doc_ids=None, labels=None) -> ModelOutput``
+    (``olmo_model.output``): the logits, or with labels the fused head's loss sums, and the MoE
+    routing statistics.
 
     ``experts_fn`` computes the routed experts of MoE layers (``moe.ExpertsFn``); the
     default keeps all experts local, ``expert_parallel.apply_expert_parallel`` swaps in the
     all-to-all version from outside. The trainer also sets, from the mesh and before
     ``nnx.split``: ``batch_shards``, how many devices the batch axis is split over (XLA:CPU
-    attention loops over the batch that many rows at a time, ``attention``); ``platform``, the
+    attention loops over the batch that many rows at a time, ``attention``, and the fused head's
+    chunks are sized for one device's rows); ``platform``, the
     platform of the devices the step is compiled for (None: ``jax.default_backend()``), which
     picks the attention path, since a step compiled ahead of time for a TPU topology on a CPU
     host must take the TPU path; ``hidden_sharding``, where the residual stream [B, S, d_model]
     lives between layers (None: wherever XLA's propagation puts it); ``context``, the
     ``causal_attention.ContextSetup`` of a context-parallel mesh (None: no CP), with which every
     layer's attention runs ``causal_attention.context_attention`` over the split sequence (the
-    caller then passes each column's true position)."""
+    caller then passes each column's true position) and the fused head walks each device's share
+    of it."""
 
     def __init__(
         self,
@@ -321,30 +329,47 @@ class OlmoModel(nnx.Module):
         self.lm_head = _truncated_normal(rngs, (d, V), spec, param_dtype)
 
     def __call__(
-        self, input_ids: jax.Array, doc_ids: jax.Array | None = None, positions: jax.Array | None = None
-    ) -> jax.Array:
-        """Logits (float32) for every position. ``doc_ids`` [B, S]: a query attends only to keys
-        of its own document; positions are not reset, as RoPE scores depend only on distance.
+        self,
+        input_ids: jax.Array,
+        doc_ids: jax.Array | None = None,
+        labels: jax.Array | None = None,
+        *,
+        routing: str = "learned",
+        routing_key: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> ModelOutput:
+        """``ModelOutput``: float32 ``logits`` [B, S, padded_vocab] without ``labels``; with
+        ``labels`` [B, S], ``loss_sums`` [ce + z_loss_weight * z, ce, z] instead, the output head
+        and the loss run fused chunk by chunk (``head_loss.head_loss_sums``: the full logits never
+        exist, and only the first sum carries a gradient); ``moe``: the ``MoEStats`` over the MoE
+        layers (losses averaged, counts summed), None for a dense spec.
+
+        ``doc_ids`` [B, S]: a query attends only to keys of its own document; positions are not
+        reset, as RoPE scores depend only on distance. ``routing`` is learned/random/uniform
+        (``moe.route``); random routing needs ``routing_key``, e.g.
+        ``jax.random.fold_in(jax.random.key(seed), step)``; each layer folds in its index.
         ``positions`` [S]: the sequence position of each column (the same for every row; None:
         0 .. S-1), given under context parallelism, whose columns are in the layout's order."""
-        return self.forward_with_aux(input_ids, doc_ids, positions=positions)[0]
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {labels.shape} differs from input_ids shape {input_ids.shape}")
+        x, stats = self.hidden_states(input_ids, doc_ids, routing=routing, routing_key=routing_key, positions=positions)
+        if labels is None:
+            return ModelOutput(logits=self._logits(x), moe=stats)
+        return ModelOutput(loss_sums=self._loss_sums(x, labels), moe=stats)
 
-    def forward_with_aux(
+    def hidden_states(
         self,
         input_ids: jax.Array,
         doc_ids: jax.Array | None = None,
         *,
         routing: str = "learned",
         routing_key: jax.Array | None = None,
-        head: bool = True,
         positions: jax.Array | None = None,
     ) -> tuple[jax.Array, MoEStats | None]:
-        """(logits, MoE stats over the MoE layers: losses averaged, counts summed; None for a
-        dense spec). ``routing`` is learned/random/uniform (``moe.route``); random routing
-        needs ``routing_key``, e.g. ``jax.random.fold_in(jax.random.key(seed), step)``; each
-        layer folds in its index. ``head=False``: the final-normed hidden states [B, S,
-        d_model] in the compute dtype instead of the logits, for ``head_loss.head_loss_sums``
-        with ``head_weight()``. ``positions``: as for ``__call__``."""
+        """The decoder without its output head: the final-normed hidden states [B, S, d_model] in
+        the compute dtype, and the MoE stats (None for a dense spec); arguments as for
+        ``__call__``. What a caller that needs the residual stream itself takes (e.g. a memory
+        count of the layers' backward); the forward's outputs come from ``__call__``."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {input_ids.shape}")
         if doc_ids is not None and doc_ids.shape != input_ids.shape:
@@ -357,24 +382,40 @@ class OlmoModel(nnx.Module):
         if routing == "random" and routing_key is None:
             raise ValueError("routing='random' needs routing_key, e.g. jax.random.fold_in(jax.random.key(seed), step)")
         # float32 compute means float32 maths on every backend (TPU/GPU would otherwise run
-        # float32 matmuls with bf16/tf32 passes); this is the parity mode.
+        # float32 matmuls with bf16/tf32 passes); this is the parity mode. The head sets its
+        # precision itself (``matmul_precision``).
         if self.dtype != jnp.float32:
-            x, stats = self._forward(input_ids, doc_ids, routing, routing_key, positions)
-        else:
-            with jax.default_matmul_precision("highest"):
-                x, stats = self._forward(input_ids, doc_ids, routing, routing_key, positions)
-        if not head:
-            return x, stats
-        logits = jnp.einsum(
+            return self._forward(input_ids, doc_ids, routing, routing_key, positions)
+        with jax.default_matmul_precision("highest"):
+            return self._forward(input_ids, doc_ids, routing, routing_key, positions)
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """Float32 logits [B, S, padded_vocab] of the hidden states ``x``."""
+        return jnp.einsum(
             "bsd,dv->bsv",
             x,
-            self.head_weight(),
+            self._head_weight(),
             preferred_element_type=jnp.float32,
             precision=matmul_precision(self.dtype),
         )
-        return logits, stats
 
-    def head_weight(self) -> jax.Array:
+    def _loss_sums(self, x: jax.Array, labels: jax.Array) -> jax.Array:
+        """float32 [3]: [ce + z_loss_weight * z, ce, z] summed over the labels != IGNORE_INDEX,
+        the head and the loss fused (``head_loss_sums``). Its chunks are sized for the rows one
+        device holds (``batch_shards``) and, under context parallelism, walk each device's own
+        share of the sequence (the context degree)."""
+        seq_shards = 1 if self.context is None else self.context.degree
+        objective, ce, z, _ = head_loss_sums(
+            x,
+            self._head_weight(),
+            labels,
+            self.spec.z_loss_weight,
+            batch_shards=self.batch_shards,
+            seq_shards=seq_shards,
+        )
+        return jnp.stack([objective, ce, z])
+
+    def _head_weight(self) -> jax.Array:
         """The output head [d_model, padded_vocab] in the compute dtype."""
         return self.lm_head[...].astype(self.dtype)
 

@@ -76,7 +76,7 @@ ExpertsFn = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights], tuple[jax
 
 
 class MoEStats(NamedTuple):
-    """Routing of one MoE layer (or, from ``OlmoModel.forward_with_aux``, of all MoE layers:
+    """Routing of one MoE layer (or, as ``OlmoModel``'s ``ModelOutput.moe``, of all MoE layers:
     losses averaged over layers, counts summed)."""
 
     load_balancing: jax.Array  # [] float32, E * sum_e f_e P_e

@@ -151,20 +151,16 @@ def initialize_distributed(recipe: Recipe) -> None:
         jax.config.update("jax_rocm_visible_devices", "all")
 
 
-# all_gather_text's fixed width: a token or a flag, never more.
-_TEXT_BYTES = 64
-
-
 def all_gather_text(text: str) -> list[str]:
-    """Every process's ``text`` (ASCII, at most 64 bytes), in process order, on every process:
-    the collective ``olmo_run.driver.check_shared_run_dir`` takes."""
+    """Every process's ``text`` (ASCII, any length), in process order, on every process: the
+    collective ``olmo_run.driver`` takes (the run-dir check, each process's batch-digest line).
+    Two gathers: the lengths, then every text zero-padded to the longest."""
     raw = np.frombuffer(text.encode("ascii"), np.uint8)
-    if raw.size > _TEXT_BYTES:
-        raise ValueError(f"all_gather_text takes at most {_TEXT_BYTES} bytes, got {raw.size}")
-    padded = np.zeros(_TEXT_BYTES, np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
+    padded = np.zeros(max(int(lengths.max()), 1), np.uint8)
     padded[: raw.size] = raw
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return [bytes(row).rstrip(b"\0").decode("ascii") for row in rows]
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [bytes(row[:n]).decode("ascii") for row, n in zip(rows, lengths, strict=True)]
 
 
 @contextmanager

@@ -67,7 +67,6 @@ from olmo_run.driver import check_shared_run_dir
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
-from .head_loss import head_loss_sums
 from .hf_adapter import initial_params, model_from_hf, validate_hf
 from .model import OlmoModel, build_model
 from .moe import MoEStats, aux_loss, moe_metrics
@@ -119,173 +118,212 @@ def make_optimizer(params: dict, recipe: Recipe) -> optax.GradientTransformation
     )
 
 
+@dataclass(frozen=True, eq=False)
+class StepConfig:
+    """What the step's programs take besides their array arguments, fixed when they are built and
+    bound before ``jax.jit`` (never traced): the model's graph (``nnx.merge`` with the parameters
+    gives the model), the mesh (the context layout's column order), ``moe.routing`` (learned for
+    a dense spec), ``train.document_masking`` (without it a query sees earlier documents of its
+    window, as Olmo 3 trains), the key that random routing folds (step, micro-step) into, and the
+    parameters' shardings (where the gradients are pinned)."""
+
+    graphdef: Any
+    spec: ModelSpec
+    mesh: jax.sharding.Mesh
+    routing: str
+    document_masking: bool
+    seed_key: jax.Array
+    params_sharding: Any
+
+
+def column_positions(mesh: jax.sharding.Mesh, seq_len: int) -> jax.Array | None:
+    """Each column's true position under context parallelism (its columns are in the context
+    layout's order); None without it (0 .. S-1)."""
+    order = sharding.sequence_positions(mesh, seq_len)
+    return None if order is None else jnp.asarray(order)
+
+
+def micro_loss(params: dict, micro: dict, n_tokens: jax.Array, accumulation: int, routing_key: Any, cfg: StepConfig):
+    """What ``jax.grad`` differentiates for one micro-batch: its loss sum over the valid tokens of
+    the GLOBAL batch, plus its share (1 / accumulation) of the MoE aux loss; aux (ce sum, z sum,
+    MoE stats). The model runs the head and the loss fused (``ModelOutput.loss_sums``)."""
+    model = nnx.merge(cfg.graphdef, params)
+    input_ids = micro["input_ids"]
+    out = model(
+        input_ids,
+        micro["doc_ids"] if cfg.document_masking else None,
+        micro["labels"],
+        routing=cfg.routing,
+        routing_key=routing_key,
+        positions=column_positions(cfg.mesh, input_ids.shape[-1]),
+    )
+    loss = out.loss_sums[0] / n_tokens
+    if out.moe is not None:
+        # Each micro-step's aux losses cover its global micro-batch; the step's aux term is
+        # their mean over micro-steps (as the Torch trainer does).
+        assert cfg.spec.moe is not None  # only MoE layers return stats
+        loss = loss + aux_loss(out.moe, cfg.spec.moe, cfg.routing) / accumulation
+    return loss, (out.loss_sums[1], out.loss_sums[2], out.moe)
+
+
+def micro_grads(
+    params: dict, micro: dict, n_tokens: jax.Array, accumulation: int, step_key: jax.Array, cfg: StepConfig
+):
+    """(gradients, ce sum, z sum, MoE stats) of one micro-batch; random routing draws its scores
+    from (seed, step, micro-step) here and the layer in the model."""
+    routing_key = jax.random.fold_in(step_key, micro["index"]) if cfg.routing == "random" else None
+    grads, (ce, z, moe_stats) = jax.grad(micro_loss, has_aux=True)(
+        params, micro, n_tokens, accumulation, routing_key, cfg
+    )
+    return grads, ce, z, moe_stats
+
+
+def _add_micro_step(params, n_tokens, accumulation, step_key, cfg, carry, micro):
+    """``lax.scan`` body of ``accumulate``: one micro-step's gradients and sums added to the carry."""
+    acc, ce_sum, z_sum, moe_sum = carry
+    g, ce, z, moe_stats = micro_grads(params, micro, n_tokens, accumulation, step_key, cfg)
+    if moe_stats is not None:
+        moe_sum = jax.tree.map(jnp.add, moe_sum, moe_stats)
+    return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z, moe_sum), None
+
+
+def accumulate(params: dict, batch: dict, n_tokens: jax.Array, step_key: jax.Array, cfg: StepConfig):
+    """(gradients, ce sum, z sum, MoE stats summed) over the ``accumulation`` micro-batches of
+    ``batch`` [accumulation, rows, seq], in order."""
+    accumulation = batch["labels"].shape[0]
+    micros = {**batch, "index": jnp.arange(accumulation, dtype=jnp.int32)}
+    if accumulation == 1:
+        # No accumulator: a zero-filled parameter-sized buffer plus an add of it are two passes
+        # over every parameter's size for nothing (bitwise the same sums).
+        return micro_grads(params, jax.tree.map(lambda a: a[0], micros), n_tokens, accumulation, step_key, cfg)
+    # A scan from zeros traces the model once (peeling the first micro-step would compile it twice).
+    zero = jax.tree.map(jnp.zeros_like, params)
+    moe_zero = None
+    if cfg.spec.moe is not None:
+        counts = jnp.zeros(cfg.spec.moe.n_experts, jnp.int32)
+        moe_zero = MoEStats(jnp.float32(0), jnp.float32(0), counts, jnp.int32(0))
+    body = partial(_add_micro_step, params, n_tokens, accumulation, step_key, cfg)
+    (grads, ce, z, moe_sum), _ = jax.lax.scan(body, (zero, jnp.float32(0), jnp.float32(0), moe_zero), micros)
+    return grads, ce, z, moe_sum
+
+
+def loss_and_grads(params: dict, batch: dict, step: jax.Array, cfg: StepConfig) -> tuple[dict, dict[str, Any]]:
+    """(gradients, stats) of one optimizer step over the global ``batch`` [accumulation, rows,
+    seq] (``BATCH_KEYS``); ``step``, the 1-based step, seeds random routing. Stats: loss, ce_loss,
+    z_loss over the valid tokens of the whole global batch (all micro-steps, all devices), the
+    global gradient norm, and for MoE the step's routing stats (``moe``)."""
+    n_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32), 1.0)
+    accumulation = batch["labels"].shape[0]
+    step_key = jax.random.fold_in(cfg.seed_key, step)
+    grads, ce, z, moe_sum = accumulate(params, batch, n_tokens, step_key, cfg)
+    grads = jax.lax.with_sharding_constraint(grads, cfg.params_sharding)
+    z_weight = cfg.spec.z_loss_weight
+    stats = {
+        "loss": (ce + z_weight * z) / n_tokens,
+        "ce_loss": ce / n_tokens,
+        "z_loss": z / n_tokens,
+        "grad_norm": global_norm(grads),
+    }
+    if moe_sum is not None:
+        # Losses: mean over micro-steps; counts and drops: summed over the whole step.
+        moe_step = moe_sum._replace(
+            load_balancing=moe_sum.load_balancing / accumulation, router_z=moe_sum.router_z / accumulation
+        )
+        assert cfg.spec.moe is not None  # only MoE layers return stats
+        stats["loss"] = stats["loss"] + aux_loss(moe_step, cfg.spec.moe, cfg.routing)
+        stats["moe"] = moe_step
+    return grads, stats
+
+
+def apply_update(
+    params: dict,
+    opt_state: Any,
+    grads: dict,
+    grad_norm: jax.Array,
+    lr: jax.Array,
+    tx: optax.GradientTransformation,
+    clip: float | None,
+) -> tuple[dict, Any]:
+    """(params, AdamW state) after one update: gradients clipped to ``clip`` by torch's
+    clip_grad_norm_ formula (``grad_norm`` is the one before clipping), AdamW, then the host LR."""
+    if clip is not None:
+        scale = jnp.minimum(1.0, clip / (grad_norm + CLIP_EPS))
+        grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+    return params, opt_state
+
+
+def fused_step(params, opt_state, batch, lr, step, cfg: StepConfig, tx: optax.GradientTransformation, clip):
+    """``apply_update(loss_and_grads(...))`` in one program: (params, AdamW state, stats)."""
+    grads, stats = loss_and_grads(params, batch, step, cfg)
+    params, opt_state = apply_update(params, opt_state, grads, stats["grad_norm"], lr, tx, clip)
+    return params, opt_state, stats
+
+
+def eval_sums(params: dict, input_ids: jax.Array, labels: jax.Array, doc_ids: jax.Array, cfg: StepConfig):
+    """(CE sum, valid tokens) of one evaluation batch [rows, seq], learned routing: a held-out
+    loss is the ratio of their totals over the source's batches."""
+    model = nnx.merge(cfg.graphdef, params)
+    documents = doc_ids if cfg.document_masking else None
+    out = model(input_ids, documents, labels, positions=column_positions(cfg.mesh, input_ids.shape[-1]))
+    return out.loss_sums[1], jnp.sum(labels != IGNORE_INDEX).astype(jnp.float32)
+
+
 @dataclass
 class StepFunctions:
-    """Jitted pieces of a step; ``fused`` = ``apply(grads(...))`` in one program.
-
-    ``grads(params, batch, step=0)`` and ``fused(params, opt_state, batch, lr, step=0)``
-    take the 1-based step, which seeds random MoE routing (unused otherwise). ``fused_jit`` is
-    the jitted program behind ``fused`` (step as an int32 argument), for ahead-of-time
-    ``.lower(...).compile()`` on abstract arrays (``dry_run``)."""
+    """The jitted programs of a step (each has ``.lower`` for an ahead-of-time compile, as
+    ``dry_run`` does): ``grads(params, batch, step)`` -> (gradients, stats); ``apply(params,
+    opt_state, grads, grad_norm, lr)``; ``fused(params, opt_state, batch, lr, step)`` -> (params,
+    opt_state, stats), both in one program, the state donated; ``evaluate(params, input_ids,
+    labels, doc_ids)`` -> (CE sum, valid tokens). ``step`` is the 1-based step as np.int32 (it
+    seeds random MoE routing; unused otherwise), ``lr`` an np.float32."""
 
     grads: Any
     apply: Any
     fused: Any
     evaluate: Any
-    fused_jit: Any
 
 
-def make_step_functions(
-    graphdef: Any,
-    spec: ModelSpec,
-    recipe: Recipe,
-    tx: optax.GradientTransformation,
-    params_sharding: Any,
-    opt_sharding: Any,
-    mesh: jax.sharding.Mesh,
-) -> StepFunctions:
-    z_weight = spec.z_loss_weight
-    clip = recipe.optim.grad_clip
-    # Without train.document_masking a query sees earlier documents of its window (Olmo 3).
-    masking = recipe.train.document_masking
+def step_functions(m: MeshModel, spec: ModelSpec, recipe: Recipe, mesh: jax.sharding.Mesh) -> StepFunctions:
+    """The step's functions jitted for ``m`` (a model made ready for ``mesh`` by ``for_mesh``):
+    the batch split as ``sharding.batch_sharding``, parameters and AdamW state where ``for_mesh``
+    put them, stats replicated, the state donated to the update."""
+    cfg = StepConfig(
+        graphdef=m.graphdef,
+        spec=spec,
+        mesh=mesh,
+        routing=recipe.moe.routing if spec.moe is not None else "learned",
+        document_masking=recipe.train.document_masking,
+        seed_key=jax.random.key(recipe.train.seed),
+        params_sharding=m.params_sh,
+    )
     replicated = NamedSharding(mesh, P())
-    batch_sh = sharding.batch_sharding(mesh)
-    routing = recipe.moe.routing if spec.moe is not None else "learned"
-    seed_key = jax.random.key(recipe.train.seed)
-    dp = sharding.dp_size(mesh)  # batch rows split over this many devices (head_loss chunking)
-    cp = sharding.context_size(mesh)  # the sequence split over this many (context parallelism)
-
-    def positions_of(input_ids):
-        # Under CP the columns are in the context layout's order: each one's true position.
-        order = sharding.sequence_positions(mesh, input_ids.shape[-1])
-        return None if order is None else jnp.asarray(order)
-
-    def micro_loss(params, input_ids, labels, doc_ids, n_tokens, accumulation, routing_key):
-        model = nnx.merge(graphdef, params)
-        hidden, moe_stats = model.forward_with_aux(
-            input_ids,
-            doc_ids if masking else None,
-            routing=routing,
-            routing_key=routing_key,
-            head=False,
-            positions=positions_of(input_ids),
-        )
-        # Head + CE + z-loss chunk by chunk, gradient included (head_loss.py): the full
-        # [tokens, vocab] logits never exist.
-        objective, ce, z, _ = head_loss_sums(
-            hidden, model.head_weight(), labels, z_weight, batch_shards=dp, seq_shards=cp
-        )
-        loss = objective / n_tokens
-        if moe_stats is not None:
-            # Each micro-step's aux losses cover its global micro-batch; the step's aux term
-            # is their mean over micro-steps (as the Torch trainer does).
-            assert spec.moe is not None  # only MoE layers return stats
-            loss = loss + aux_loss(moe_stats, spec.moe, routing) / accumulation
-        return loss, (ce, z, moe_stats)
-
-    def grads_and_stats(params, batch, step):
-        # Normalise by the valid tokens of the whole global batch (all micro-steps, all devices).
-        n_tokens = jnp.maximum(jnp.sum(batch["labels"] != IGNORE_INDEX).astype(jnp.float32), 1.0)
-        accumulation = batch["labels"].shape[0]
-        grad_fn = jax.grad(micro_loss, has_aux=True)
-        step_key = jax.random.fold_in(seed_key, step)
-
-        def micro_grads(micro):
-            # Random routing's scores: (seed, step, micro-step) here, the layer in the model.
-            routing_key = jax.random.fold_in(step_key, micro["index"]) if routing == "random" else None
-            g, (ce, z, moe_stats) = grad_fn(
-                params, micro["input_ids"], micro["labels"], micro["doc_ids"], n_tokens, accumulation, routing_key
-            )
-            return g, ce, z, moe_stats
-
-        def micro_step(carry, micro):
-            acc, ce_sum, z_sum, moe_sum = carry
-            g, ce, z, moe_stats = micro_grads(micro)
-            if moe_stats is not None:
-                moe_sum = jax.tree.map(jnp.add, moe_sum, moe_stats)
-            return (jax.tree.map(jnp.add, acc, g), ce_sum + ce, z_sum + z, moe_sum), None
-
-        micros = {**batch, "index": jnp.arange(accumulation, dtype=jnp.int32)}
-        if accumulation == 1:
-            # No accumulator: a zero-filled parameter-sized buffer plus an add of it are two
-            # passes over every parameter's size for nothing (bitwise the same sums).
-            grads, ce, z, moe_sum = micro_grads(jax.tree.map(lambda a: a[0], micros))
-        else:
-            # A scan from zeros traces the model once (peeling the first micro-step would
-            # compile it twice).
-            zero = jax.tree.map(jnp.zeros_like, params)
-            moe_zero = None
-            if spec.moe is not None:
-                counts = jnp.zeros(spec.moe.n_experts, jnp.int32)
-                moe_zero = MoEStats(jnp.float32(0), jnp.float32(0), counts, jnp.int32(0))
-            (grads, ce, z, moe_sum), _ = jax.lax.scan(
-                micro_step, (zero, jnp.float32(0), jnp.float32(0), moe_zero), micros
-            )
-        grads = jax.lax.with_sharding_constraint(grads, params_sharding)
-        stats = {
-            "loss": (ce + z_weight * z) / n_tokens,
-            "ce_loss": ce / n_tokens,
-            "z_loss": z / n_tokens,
-            "grad_norm": global_norm(grads),
-        }
-        if moe_sum is not None:
-            # Losses: mean over micro-steps; counts and drops: summed over the whole step.
-            moe_step = moe_sum._replace(
-                load_balancing=moe_sum.load_balancing / accumulation, router_z=moe_sum.router_z / accumulation
-            )
-            assert spec.moe is not None  # only MoE layers return stats
-            stats["loss"] = stats["loss"] + aux_loss(moe_step, spec.moe, routing)
-            stats["moe"] = moe_step
-        return grads, stats
-
-    def apply_update(params, opt_state, grads, grad_norm, lr):
-        if clip is not None:
-            scale = jnp.minimum(1.0, clip / (grad_norm + CLIP_EPS))
-            grads = jax.tree.map(lambda g: g * scale, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
-        return params, opt_state
-
-    def fused(params, opt_state, batch, lr, step):
-        grads, stats = grads_and_stats(params, batch, step)
-        params, opt_state = apply_update(params, opt_state, grads, stats["grad_norm"], lr)
-        return params, opt_state, stats
-
-    def evaluate(params, input_ids, labels, doc_ids):
-        model = nnx.merge(graphdef, params)
-        hidden, _ = model.forward_with_aux(
-            input_ids, doc_ids if masking else None, head=False, positions=positions_of(input_ids)
-        )
-        _, ce, _, n = head_loss_sums(hidden, model.head_weight(), labels, z_weight, batch_shards=dp, seq_shards=cp)
-        return ce, n
-
-    batch_in = {k: batch_sh for k in BATCH_KEYS}
+    batch_in = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
     stats_out: dict[str, Any] = {k: replicated for k in ("loss", "ce_loss", "z_loss", "grad_norm")}
     if spec.moe is not None:
         # ignore: the NamedTuple as a pytree of shardings, mirroring the stats it places.
         stats_out["moe"] = MoEStats(replicated, replicated, replicated, replicated)  # type: ignore[arg-type]
-    grads_jit = jax.jit(
-        grads_and_stats,
-        in_shardings=(params_sharding, batch_in, replicated),
-        out_shardings=(params_sharding, stats_out),
-    )
-    fused_jit = jax.jit(
-        fused,
-        in_shardings=(params_sharding, opt_sharding, batch_in, replicated, replicated),
-        out_shardings=(params_sharding, opt_sharding, stats_out),
-        donate_argnums=(0, 1),
-    )
+    params_sh, opt_sh, clip = m.params_sh, m.opt_sh, recipe.optim.grad_clip
     return StepFunctions(
-        grads=lambda params, batch, step=0: grads_jit(params, batch, np.int32(step)),
+        grads=jax.jit(
+            partial(loss_and_grads, cfg=cfg),
+            in_shardings=(params_sh, batch_in, replicated),
+            out_shardings=(params_sh, stats_out),
+        ),
         apply=jax.jit(
-            apply_update,
-            in_shardings=(params_sharding, opt_sharding, params_sharding, replicated, replicated),
-            out_shardings=(params_sharding, opt_sharding),
+            partial(apply_update, tx=m.tx, clip=clip),
+            in_shardings=(params_sh, opt_sh, params_sh, replicated, replicated),
+            out_shardings=(params_sh, opt_sh),
             donate_argnums=(0, 1),
         ),
-        fused=lambda params, opt_state, batch, lr, step=0: fused_jit(params, opt_state, batch, lr, np.int32(step)),
-        evaluate=jax.jit(evaluate, out_shardings=(replicated, replicated)),
-        fused_jit=fused_jit,
+        fused=jax.jit(
+            partial(fused_step, cfg=cfg, tx=m.tx, clip=clip),
+            in_shardings=(params_sh, opt_sh, batch_in, replicated, replicated),
+            out_shardings=(params_sh, opt_sh, stats_out),
+            donate_argnums=(0, 1),
+        ),
+        evaluate=jax.jit(partial(eval_sums, cfg=cfg), out_shardings=(replicated, replicated)),
     )
 
 
@@ -336,10 +374,11 @@ def placed_step(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh_axes: di
     """(StepFunctions, [params, opt_state]) for a freshly built ``model`` on a mesh (default:
     every device on ``data``), the parameters and AdamW state placed with the step's own
     shardings (so the first timed step does not recompile): the trainer's step without a run
-    dir, for benchmarks and tools. ``fns.fused(*carry, batch, lr)`` runs one step."""
+    dir, for benchmarks and tools. ``fns.fused(*carry, batch, np.float32(lr), np.int32(step))``
+    runs one step."""
     mesh = sharding.make_mesh(mesh_axes or {"data": -1})
     m = for_mesh(model, spec, recipe, mesh)
-    fns = make_step_functions(m.graphdef, spec, recipe, m.tx, m.params_sh, m.opt_sh, mesh)
+    fns = step_functions(m, spec, recipe, mesh)
     params = jax.device_put(m.params, m.params_sh)
     return fns, [params, jax.jit(m.tx.init, out_shardings=m.opt_sh)(params)]
 
@@ -454,9 +493,7 @@ class JaxTrainModule:
             self.params, self.opt_state = _initial_state(plan, init_tensors, abstract_params, abstract_opt)
             if self.opt_state is None:
                 self.opt_state = jax.jit(prepared.tx.init, out_shardings=prepared.opt_sh)(self.params)
-        self.fns = make_step_functions(
-            prepared.graphdef, spec, recipe, prepared.tx, prepared.params_sh, prepared.opt_sh, mesh
-        )
+        self.fns = step_functions(prepared, spec, recipe, mesh)
         self.n_devices = jax.device_count()
         self.peak = device_peak()
         self.checkpointer = Checkpointer(plan.run_dir, recipe.checkpoint.keep, recipe.checkpoint.async_save)
@@ -467,9 +504,9 @@ class JaxTrainModule:
             k: sharding.global_batch_array(local[k], self.mesh, layout.accumulation_steps, layout.global_batch)
             for k in BATCH_KEYS
         }
-        lr_arg = np.float32(lr)
+        lr_arg, step_arg = np.float32(lr), np.int32(step)
         if guard.enabled:
-            grads, stats = self.fns.grads(self.params, batch, step)
+            grads, stats = self.fns.grads(self.params, batch, step_arg)
             skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
             if not skipped:
                 self.params, self.opt_state = self.fns.apply(
@@ -479,7 +516,7 @@ class JaxTrainModule:
         else:
             # The update is applied in the same program; a non-finite loss stops the run here,
             # before anything of that state is saved.
-            self.params, self.opt_state, stats = self.fns.fused(self.params, self.opt_state, batch, lr_arg, step)
+            self.params, self.opt_state, stats = self.fns.fused(self.params, self.opt_state, batch, lr_arg, step_arg)
             skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
         moe_step = stats.pop("moe", None)
         values = {k: float(v) for k, v in stats.items()}

@@ -21,8 +21,12 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
   in place of SDPA (``context_parallel.py``). Unset, nothing of this runs;
 - SwiGLU MLP with separate gate/up/down projections; no biases anywhere;
 - MoE layers (``spec.is_moe_layer(i)``): the MLP is ``moe.MoE`` (router, routed experts
-  through grouped GEMMs, shared experts); such a block returns ``(x, RoutingStats)`` and
-  ``forward(..., return_moe_stats=True)`` hands the stats to the loss (``moe_aux_losses``).
+  through grouped GEMMs, shared experts); such a block returns ``(x, RoutingStats)`` and the
+  model's output carries the stats to the loss (``ModelOutput.moe``, ``moe_aux_losses``).
+
+``OlmoModel.forward(input_ids, doc_ids=None, labels=None)`` returns one type, the
+``olmo_model.ModelOutput`` both trainers' models return: the logits without ``labels``, the
+fused head + loss sums with them (``OutputHead``), and the MoE layers' stats (None when dense).
 
 Module layout (names map 1:1 to the HF layout in ``hf_adapter``): ``embed``,
 ``blocks`` (one ``Block`` per layer, the unit a parallelize module shards or
@@ -41,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from olmo_model import ModelSpec
+from olmo_model.output import ModelOutput
 from olmo_model.rope import rope_inv_freq
 
 from .head_loss import head_loss_sums
@@ -203,8 +208,9 @@ class OutputHead(nn.Linear):
 
 
 class OlmoModel(nn.Module):
-    """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None) -> logits [B,S,padded_vocab]``
-    (``(logits, [RoutingStats per MoE layer])`` with ``return_moe_stats=True``)."""
+    """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None, labels=None) -> ModelOutput``
+    (logits [B,S,padded_vocab] or, with labels, the loss sums; a list of ``RoutingStats``, one
+    per MoE layer, or None for a dense spec)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -265,19 +271,17 @@ class OlmoModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
-        *,
-        return_moe_stats: bool = False,
         labels: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, list[RoutingStats]]:
-        """Logits in the parameter dtype. ``doc_ids`` [B,S] (any integer labels, equal
-        within a document) restricts attention to the query's own document; RoPE positions
-        keep counting across documents (Olmo-core style). ``return_moe_stats`` also returns
-        each MoE layer's routing statistics (an empty list for a dense spec).
+    ) -> ModelOutput:
+        """Without ``labels``: ``ModelOutput.logits`` in the parameter dtype. ``doc_ids`` [B,S]
+        (any integer labels, equal within a document) restricts attention to the query's own
+        document; RoPE positions keep counting across documents (Olmo-core style).
+        ``ModelOutput.moe``: the MoE layers' routing statistics in layer order (None if dense).
 
         With ``labels`` [B,S] the output head and the loss run fused, chunk by chunk
-        (``head_loss.head_loss_sums``, the full logits never exist) and the first output is
-        the float32 tensor ``[ce + z_loss_weight * z, ce, z]`` of sums over labels != -100,
-        differentiable in its first entry only (``OutputHead``).
+        (``head_loss.head_loss_sums``, the full logits never exist): ``ModelOutput.loss_sums``
+        is the float32 tensor ``[ce + z_loss_weight * z, ce, z]`` of sums over labels != -100,
+        differentiable in its first entry only (``OutputHead``), and ``logits`` is None.
 
         With a ``context`` installed (context parallelism), ``input_ids``, ``doc_ids`` and
         ``labels`` are this process's columns of the rows (``context.positions``) and the
@@ -317,8 +321,9 @@ class OlmoModel(nn.Module):
                 moe_stats.append(stats)
             else:
                 x = out
-        out = self.lm_head(self.final_norm(x), labels)
-        return (out, moe_stats) if return_moe_stats else out
+        head = self.lm_head(self.final_norm(x), labels)
+        moe = moe_stats if self.spec.moe is not None else None
+        return ModelOutput(logits=head, moe=moe) if labels is None else ModelOutput(loss_sums=head, moe=moe)
 
 
 def build_model(

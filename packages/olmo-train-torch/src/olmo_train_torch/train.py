@@ -211,19 +211,13 @@ def accumulate_gradients(
             with autocast_context(model, recipe.train.precision, device):
                 doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
                 # Head + CE + z-loss fused over token chunks (head_loss.py): [objective, ce, z].
-                out = model(
-                    tensors["input_ids"][rows],
-                    doc_ids,
-                    return_moe_stats=spec.moe is not None,
-                    labels=tensors["labels"][rows],
-                )
-                head_sums, moe_stats = out if spec.moe is not None else (out, [])
-            objective, ce, z = head_sums.unbind()
+                out = model(tensors["input_ids"][rows], doc_ids, labels=tensors["labels"][rows])
+            objective, ce, z = out.loss_sums.unbind()
             step_loss = objective * scale
-            if moe_stats:
+            if out.moe:
                 # Global values, gradient through this rank's tokens: scaled by the rank count
                 # like the CE (the wrapper averages), averaged over micro-steps.
-                aux = moe_aux_losses(moe_stats, group=moe_group)
+                aux = moe_aux_losses(out.moe, group=moe_group)
                 assert spec.moe is not None  # only MoE layers return stats
                 step_loss = step_loss + aux.weighted(spec.moe, routing) * (d.world_size / layout.accumulation_steps)
                 moe_terms.append(aux)
@@ -321,10 +315,10 @@ def evaluate(model: nn.Module, loader: MixtureLoader, d: Distributed, recipe: Re
             if context is not None:
                 t = {k: context.shard(v) for k, v in t.items()}
             with autocast_context(model, recipe.train.precision, d.device):
-                head_sums = model(
+                loss_sums = model(
                     t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None, labels=t["labels"]
-                )
-            ce = head_sums[1]
+                ).loss_sums
+            ce = loss_sums[1]
             if counts:
                 sums += torch.stack([ce.double(), (t["labels"] != IGNORE_INDEX).sum().double()])
         d.all_reduce_sum(sums)
