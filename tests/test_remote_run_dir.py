@@ -1,6 +1,6 @@
 """Run dirs on object storage for both trainers (issue 19: checkpoints, metrics, errors), against
 real local emulators the tests start (tests/support/object_store.py): moto's S3 server and
-gcp-storage-emulator, each behind a relay that can be cut.
+fake-gcs-server, each behind a relay that can be cut.
 
 The independent reference is always the same run with a local run dir: its losses (compared
 bitwise, both runs being one process on the same CPU) and batch digests. What lands in the

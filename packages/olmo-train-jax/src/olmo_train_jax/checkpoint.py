@@ -72,15 +72,6 @@ def _orbax_path(ckpt: RunPath) -> Any:
     return ckpt.resolve() / STATE_DIR
 
 
-def _use_ocdbt(run_dir: RunPath) -> bool:
-    """Orbax's OCDBT layout (a few large files per process; the default), except on a GCS
-    emulator (``STORAGE_EMULATOR_HOST``): OCDBT updates one manifest object with conditional
-    writes, and gcp-storage-emulator answers such concurrent requests on one object without a
-    generation ("Malformed StorageGeneration"); the plain layout writes each chunk once. Restore
-    reads either."""
-    return not (isinstance(run_dir, URLPath) and run_dir.scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"))
-
-
 def _staging(ckpt: URLPath) -> Path:
     return local_copy(ckpt.parent.parent) / ".staging" / ckpt.name
 
@@ -132,7 +123,7 @@ class Checkpointer:
                 f"run_dir={run_dir}: the JAX trainer stages s3:// checkpoints on one host, and this run has "
                 f"{jax.process_count()} processes; use a gs:// run dir or a shared file system"
             )
-        self._orbax = ocp.StandardCheckpointer(use_ocdbt=_use_ocdbt(run_dir))
+        self._orbax = ocp.StandardCheckpointer()  # OCDBT: a few large files per process
         self._commit: threading.Thread | None = None
         self._error: BaseException | None = None
         if self.is_main:
