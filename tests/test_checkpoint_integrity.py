@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_checks import refused
 
 from olmo_model.runlog import UNCHECKED_FORMAT, complete_checkpoints, read_metrics, read_verified_meta
 
@@ -103,16 +104,6 @@ def restarted(trainer, tmp_path) -> Path:
     shutil.copytree(trainer[3], run)
     shutil.rmtree(ckpt(run, 6))
     return run
-
-
-def refused(main, capsys, args: list[str], *needles: str) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
-    return err
 
 
 def test_meta_json_records_every_file(trainer):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_checks import refused
 
 from olmo_data import load_mixture
 from olmo_data.digest import batch_digest
@@ -145,16 +146,6 @@ def snapshot(folder: Path) -> dict[str, str]:
         kind = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
         out[str(p.relative_to(folder))] = f"{kind} {p.stat().st_mtime_ns}"
     return out
-
-
-def refused(main: Callable[[list[str]], int], capsys, args: list[str], *needles: str) -> None:
-    """``main(args)`` exits 2 with one stderr line holding every needle."""
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
 
 
 @dataclass(frozen=True)
