@@ -9,10 +9,40 @@ inside the helpers, so collecting a package's own tests pays nothing for this fi
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
+
+_JAX_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_jax_cache_key = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One JAX persistent compilation cache for the whole session: the tests start many JAX
+    processes (subprocess runs, resumes, reruns) that compile the same tiny programs again, and
+    on two cores compiling is a third of such a run. Set in the environment before anything
+    imports JAX, so xdist workers and every subprocess they start inherit it. A cached
+    executable is the one XLA compiled, so no number changes. Size-capped, which turns on JAX's
+    file lock around every read and write: concurrent processes never read an entry half written.
+    A JAX_COMPILATION_CACHE_DIR of the caller's is kept as it is."""
+    if _JAX_CACHE_ENV in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="olmo-test-jax-cache-")
+    config.stash[_jax_cache_key] = path
+    os.environ[_JAX_CACHE_ENV] = path
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 << 30)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = config.stash.get(_jax_cache_key, None)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+        del os.environ[_JAX_CACHE_ENV]
 
 
 @pytest.fixture(scope="module")

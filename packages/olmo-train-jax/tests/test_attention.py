@@ -3,7 +3,7 @@ sliding layers, blocked local window, each with and without document masking) ag
 from the definition, and the scan period of the layer pattern; plus a model whose scan walks
 more than one repeat of its pattern against transformers and the numpy reference.
 
-Run: cd /work/main && uv run --frozen pytest packages/olmo-train-jax/tests/test_attention.py -p no:xdist -q
+Run: cd /work/main && uv run --frozen pytest packages/olmo-train-jax/tests/test_attention.py -n 0 -q
 """
 
 from __future__ import annotations

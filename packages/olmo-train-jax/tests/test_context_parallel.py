@@ -3,7 +3,7 @@ over ``jax.mesh.context`` follows the CP=1 step; the forward at full length matc
 reference; sliding layers exchange only the window's keys; the state resumes across CP degrees;
 per-device activation memory falls with the degree.
 
-    uv run --frozen pytest packages/olmo-train-jax/tests/test_context_parallel.py -p no:xdist -q
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_context_parallel.py -n 0 -q
 
 Spec: tiny-gqa (4 query heads, 2 key/value heads) cut to 2 layers, one sliding (window 48) and
 one global (with YaRN, original context 64, for the logits checks), at sequence 256: at CP=4 a chunk is 32 tokens and a device's shard 64, so the window

@@ -2,7 +2,7 @@
 (olmo_model.reference) and identities derived by hand (windowing, document masking, init
 statistics, bf16 error bound, remat, adapter errors).
 
-Run: cd /work/main && uv run --frozen pytest packages/olmo-train-jax/tests/test_model.py -p no:xdist -q
+Run: cd /work/main && uv run --frozen pytest packages/olmo-train-jax/tests/test_model.py -n 0 -q
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ float64 numpy reference, gradients vs finite differences of the reference, the b
 Torch MoE block and transformers' OlmoeSparseMoeBlock on the same weights, routing modes,
 metrics, HF names round trip.
 
-    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe.py -p no:xdist -q
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe.py -n 0 -q
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ experts split over expert=4 follow the all-local run within 1e-5; random routing
 same model output on a data 2 x expert 2 mesh; an imbalanced router sends every token to
 one expert rank (load max/mean = 4) and still drops nothing.
 
-    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_ep.py -p no:xdist -q
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_ep.py -n 0 -q
 
 The device count must be set before JAX starts, so the measurements run in a subprocess
 (this file run as a script with XLA_FLAGS) that prints them as JSON; the tests assert.

@@ -1,7 +1,7 @@
 """The MXFP8 emulation of the JAX expert GEMMs (``moe.mxfp8_quantize``, ``grouped_swiglu(mxfp8=True)``)
 and the layout-invariant reductions of the router (``moe.row_sum``), CPU, float32.
 
-    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_mxfp8.py -p no:xdist -q
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_mxfp8.py -n 0 -q
 """
 
 from __future__ import annotations

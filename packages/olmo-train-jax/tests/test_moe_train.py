@@ -25,7 +25,7 @@ Uniform routing, which cannot flip, stays within 1e-5 for 20 steps in
 ``test_moe_trainer.py``. Exact agreement over many learned steps needs a layout-independent
 gradient reduction (not done).
 
-    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_train.py -p no:xdist -q
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_train.py -n 0 -q
 """
 
 from __future__ import annotations

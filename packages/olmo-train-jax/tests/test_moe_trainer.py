@@ -11,7 +11,7 @@ simulated devices in subprocesses:
 
 Learned routing across layouts is in ``test_moe_train.py`` (why it is bounded there).
 
-    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_trainer.py -p no:xdist -q
+    uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_trainer.py -n 0 -q
 """
 
 from __future__ import annotations

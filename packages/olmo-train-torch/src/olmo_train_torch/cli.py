@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from olmo_run.cli import INPUT_ERRORS, run_cli
 
-from .dry_run import dry_run
 from .hf_adapter import CheckpointMismatchError
 from .parallelize import env_rank
 from .train import train
@@ -38,6 +37,13 @@ from .train import train
 def _leave_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _dry_run():
+    # torch's FSDP2 memory trackers (torch.distributed._tools) take seconds to import: only for --dry-run.
+    from .dry_run import dry_run
+
+    return dry_run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,5 +55,5 @@ def main(argv: list[str] | None = None) -> int:
         (*INPUT_ERRORS, CheckpointMismatchError),
         reports=lambda: env_rank() == 0,
         cleanup=_leave_process_group,
-        dry_run=lambda: dry_run,
+        dry_run=_dry_run,
     )
