@@ -10,7 +10,8 @@ at steps 10 and 20) is the reference the tests compare against:
    step, and its ``batch_digest`` is ``olmo_data.digest.batch_digest`` of the global batch the
    data order defines for that step;
 2. SIGKILL right after the step-10 checkpoint, then a restart: every step's loss, grad norm, LR
-   and batch digest, and the final held-out loss, bitwise the uninterrupted run's;
+   and batch digest, and the final held-out loss, bitwise the uninterrupted run's; SIGKILL
+   between the last checkpoint and the final eval: the rerun trains nothing and writes that eval;
 3. bad input (an unknown recipe key, a batch the layout cannot split, a checkpoint of another
    spec, a changed mixture on resume) exits 2 with one line and leaves the run dir as it was,
    byte for byte and mtime for mtime; a finished run restarted exits 0 and writes nothing;
@@ -250,6 +251,22 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_the_uninterrupted_run
         assert [got[step][k] for k in keys] == [want[step][k] for k in keys], step
     assert evals(run_dir)[20] == evals(reference.run_dir)[20]
     assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
+
+
+def test_a_kill_between_the_last_checkpoint_and_the_final_eval_is_finished_by_a_rerun(reference, mixture, tmp_path):
+    run_dir = tmp_path / "killed"
+    # A synchronous save commits step 20's checkpoint (and the kill follows) before step 20's eval.
+    args = [*ARGS, "--checkpoint.async_save=false", f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
+    killed = run_cli(reference.framework, args, kill_after=STEPS)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
+    assert sorted(evals(run_dir)) == [10] and not (run_dir / "loss.png").exists()
+    assert reference.main(args) == 0
+    # Step 10's eval from the killed run, step 20's from the rerun on the restored weights: the
+    # same layout and kernels as the reference, so the same bits.
+    assert evals(run_dir) == evals(reference.run_dir)
+    assert (run_dir / "loss.png").stat().st_size > 0
+    assert sorted(train_lines(run_dir)) == list(range(1, STEPS + 1))  # nothing trained twice
 
 
 # ---- 3. bad input ---------------------------------------------------------------------------------

@@ -266,29 +266,6 @@ def test_lr_1e6_stops_non_zero_and_keeps_only_finite_checkpoints(mixture, tmp_pa
         assert len(floats) > 20 and all(bool(np.isfinite(np.asarray(x)).all()) for x in floats), ckpt
 
 
-def test_a_kill_before_the_final_eval_is_finished_by_the_rerun(mixture, one_device_run, tmp_path):
-    run_dir = tmp_path / "killed"
-    # A synchronous save commits (and the kill follows) inside step 20, before its eval.
-    args = [*BASE, "--checkpoint.async_save=false", f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
-    killed = run_subprocess(args, kill_after=STEPS)
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
-    assert [r["step"] for r in read_metrics(run_dir) if r["kind"] == "eval"] == [10]
-    assert not (run_dir / "loss.png").exists()
-
-    rerun = run_subprocess(args)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    evals = {r["step"]: r["eval"] for r in read_metrics(run_dir) if r["kind"] == "eval"}
-    want = {r["step"]: r["eval"] for r in read_metrics(one_device_run) if r["kind"] == "eval"}
-    assert sorted(evals) == [10, 20]
-    assert evals[20] == want[20]  # the restored step-20 weights on the same layout: the same bits
-    assert (run_dir / "loss.png").exists()
-    assert sorted(train_losses(run_dir)) == list(range(1, STEPS + 1))  # nothing trained again
-
-    again = run_subprocess(args)
-    assert again.returncode == 0 and "already complete" in again.stdout
-
-
 def test_allowed_leakage_is_recorded_with_the_held_out_figures(mixture, tmp_path, capsys):
     """A held-out source copied from training is refused; with data.allow_leakage=true the run
     trains, and every eval line and the summary say the held-out figures may be memorised."""
