@@ -4,6 +4,7 @@
     python tools/bench/gpu/bench_gpu.py torch --preset olmo3-1b --seq 4096 --batch 8
     python tools/bench/gpu/bench_gpu.py jax --preset olmo3-1b --seq 4096 --batch 8 --attention auto
     python tools/bench/gpu/bench_gpu.py moe-torch|moe-jax --experts 8 32 64 128
+    python tools/bench/gpu/bench_gpu.py moe-model-torch|moe-model-jax --experts 8 128 [--layers N]
     python tools/bench/gpu/bench_gpu.py env
 
 tools/bench/gpu/run_h200.sh is the one command the device machine runs (packages on PYTHONPATH,
@@ -36,11 +37,22 @@ routed SwiGLU experts of width 1024 and one shared expert of width 1024, bf16, 1
 E grows 8 -> 128: active parameters per token stay constant, so a perfect implementation keeps
 tokens/s flat (the report-2 anchor: < 5% loss from 8 to 128 experts, measured on 8 B300 across a
 whole model; this is one block on one H200).
+
+Whole-model MoE (``moe-model-torch``, ``moe-model-jax``): the trainers' own steps as above
+(olmo-train-torch ``train_step``, FSDP2, compiled blocks; olmo-train-jax ``placed_step``, remat
+save_dots, cuDNN attention) on the olmo3-1b shape with every MLP an MoE block of top-4 of E routed
+experts + 1 shared expert, all 256 wide (``moe_model_spec``: why 256, and the memory arithmetic),
+E = 8 -> 128, learned and random routing, 16,384 tokens per step (4 x 4096). Each row: step time,
+tokens/s, model TFLOP/s (olmo_model.flops_per_token, which counts the active experts and the
+router), the MoE blocks' share of those FLOPs, the per-expert assignments of the last step
+(summed over layers) with max/mean, peak memory, the parameter count (computed and built) and
+tokens/s over the E = 8 row of the same routing. One process per E (``cmd_moe_model``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import socket
@@ -488,7 +500,445 @@ def _time_moe(step, sync, args, n_experts: int, routing: str, gemm: str | None =
     return row
 
 
+# ---- whole-model MoE -------------------------------------------------------------------------
+
+MOE_MODEL_TOP_K = 4  # routed experts per token
+MOE_MODEL_SHARED = 1  # shared experts, every token goes through them
+MOE_MODEL_HIDDEN = 256  # routed and shared expert width: moe_model_spec says why
+
+
+def moe_model_spec(preset: str, n_experts: int, expert_hidden: int = MOE_MODEL_HIDDEN, layers: int | None = None):
+    """``preset``'s shape (d_model, heads, vocab, window; ``layers`` overrides its depth) with
+    every MLP an MoE block: top-4 of ``n_experts`` routed SwiGLU experts and one shared expert,
+    all ``expert_hidden`` wide.
+
+    The width is the same at every E, so the parameters a token multiplies through stay
+    constant (up to the router's d x E) while the stored ones grow with E. The default, 256 at
+    the olmo3-1b shape (d 2048, 16 layers, 16 heads, vocab 100,352 padded), is the widest
+    multiple of 128 (the widths the Hopper grouped-GEMM kernels of olmo_train_jax.moe take)
+    whose E = 128 model fits one H200 (141 GB) with margin, by ``moe_model_memory`` at 16,384
+    tokens per step (parameter counts from olmo_model.param_counts):
+
+    - width 256: 3.93 B parameters at E = 128 (0.81 B active): 62.9 GB of fp32 weights,
+      gradients and AdamW moments (16 B each) + 7.9 GB bf16 weight copy + 27.0 GB activations
+      = 97.7 GB, 31% of the card free (E = 8: 0.91 B parameters, 43.0 GB).
+    - width 384: 5.55 B: 88.9 + 11.1 + 28.0 = 127.9 GB, 9% free: too close to risk a device
+      run on (XLA's temporaries are not in the estimate; the dense olmo3-1b step without remat
+      had one of 104 GiB).
+    - width 512: 7.18 B: 114.8 GB of optimizer state alone.
+
+    At width 256 the MoE blocks are 18% of the step's FLOPs (attention, its projections and the
+    100k-vocabulary head are the rest; ``moe_flop_share`` in every row), so a 5% whole-model
+    loss at E = 128 allows about a 28% loss in the MoE blocks themselves. ``--layers 8
+    --expert-hidden 768`` (Qwen3-30B-A3B's expert width at d 2048) fits too (5.42 B parameters
+    at E = 128, 113.0 GB estimated, 20% free) with the MoE share at 32%."""
+    from olmo_model import spec_from_dict
+    from olmo_model.presets import preset_dict
+
+    base = preset_dict(preset)
+    data = {
+        **base,
+        "name": f"{preset}-moe{n_experts}x{expert_hidden}" + (f"-{layers}l" if layers else ""),
+        "moe": dict(
+            n_experts=n_experts, top_k=MOE_MODEL_TOP_K, expert_hidden=expert_hidden, n_shared_experts=MOE_MODEL_SHARED
+        ),
+    }
+    if layers is not None:
+        data["n_layers"] = layers
+    return spec_from_dict(data, source=f"moe-model spec (--preset {preset} --experts {n_experts})")
+
+
+def moe_model_memory(spec, tokens: int) -> dict:
+    """Bytes one device needs for a train step of ``spec`` at ``tokens`` tokens, estimated:
+    16 per parameter (fp32 weights, fp32 gradients, two fp32 AdamW moments); 2 per parameter
+    for a bf16 copy of every weight (JAX casts them all at once; torch's FSDP2 gathers one block
+    at a time, so for torch this is the upper side); and per token and layer what the backward
+    keeps when nothing is recomputed: bf16 block input, q, k, v, attention output and o-proj
+    input (9 d x 2 B), two float32 RMSNorm rows (2 d x 4 B), the MoE block's bf16 input and
+    router input (2 d x 2 B), the top-k gathered rows and per-slot outputs (2 k d x 2 B), the
+    SwiGLU gate, up and product of the k routed and the shared experts (3 (k h + s h_s) x 2 B),
+    float32 router logits and probabilities (2 E x 4 B). The head's logits are computed in
+    chunks (head_loss) and left out, as are the compilers' temporaries."""
+    from olmo_model import param_counts
+
+    moe = spec.moe
+    d, k, e = spec.d_model, moe.top_k, moe.n_experts
+    swiglu = 3 * (k * moe.expert_hidden + moe.n_shared_experts * moe.shared_hidden)
+    per_token_layer = 2 * 9 * d + 4 * 2 * d + 2 * (2 * d + 2 * k * d + swiglu) + 4 * 2 * e
+    p = param_counts(spec).total
+    out = {
+        "params": p,
+        "state_bytes": 16 * p,
+        "bf16_copy_bytes": 2 * p,
+        "activation_bytes": per_token_layer * spec.n_layers * tokens,
+    }
+    out["total_bytes"] = out["state_bytes"] + out["bf16_copy_bytes"] + out["activation_bytes"]
+    return out
+
+
+def moe_flop_share(spec, seq: int) -> float:
+    """The MoE blocks' part of the step's FLOPs (router, top-k routed and shared experts)."""
+    from olmo_model import flops_per_token
+
+    moe = spec.moe
+    d = spec.d_model
+    per_layer = d * moe.n_experts + 3 * d * (moe.top_k * moe.expert_hidden + moe.n_shared_experts * moe.shared_hidden)
+    return 6 * per_layer * spec.n_layers / flops_per_token(spec, seq)
+
+
+def _moe_model_plan(args, n_experts: int) -> dict:
+    spec = moe_model_spec(args.preset, n_experts, args.expert_hidden, args.layers)
+    from olmo_model import param_counts
+
+    mem = moe_model_memory(spec, args.batch * args.seq)
+    counts = param_counts(spec)
+    return {
+        "experts": n_experts,
+        "layers": spec.n_layers,
+        "d_model": spec.d_model,
+        "expert_hidden": args.expert_hidden,
+        "params_total": counts.total,
+        "params_active": counts.active,
+        "memory_estimate_gb": round(mem["total_bytes"] / 1e9, 2),
+        "state_gb": round(mem["state_bytes"] / 1e9, 2),
+        "bf16_copy_gb": round(mem["bf16_copy_bytes"] / 1e9, 2),
+        "activation_gb": round(mem["activation_bytes"] / 1e9, 2),
+        "moe_flop_share": round(moe_flop_share(spec, args.seq), 4),
+    }
+
+
+def cmd_moe_model(args) -> None:
+    """``moe-model-torch`` / ``moe-model-jax``: each E in its own process (``--one-experts``),
+    both routings (and, for JAX, every ``--gemm``) one after the other inside it. A process per
+    E frees the card between sizes (torch's caching allocator and XLA's pool keep their blocks
+    otherwise, and the E = 128 model is the largest), and a failure at one size (out of memory)
+    loses only that size; the routings of one E share a process because their models have the
+    same sizes, which saves a start-up (imports, process group) per row. Rows stream to stdout
+    as each finishes."""
+    trainer = args.cmd.removeprefix("moe-model-")
+    if args.one_experts is not None:
+        spec = moe_model_spec(args.preset, args.one_experts, args.expert_hidden, args.layers)
+        (_moe_model_torch_rows if trainer == "torch" else _moe_model_jax_rows)(args, spec)
+        return
+    for e in args.experts:
+        print("moe-model plan: " + json.dumps(_moe_model_plan(args, e)), flush=True)
+    deadline = time.monotonic() + args.budget_s if args.budget_s else None
+    gemms = args.gemm if trainer == "jax" else [None]
+    rows: list[dict] = []
+    for e in args.experts:
+        wanted = [(g, r) for g in gemms for r in args.routing]
+        got: list[dict]
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left < 20:
+            got, why = [], f"skipped: {max(left, 0):.0f} s left of --budget-s"
+        else:
+            got, why = _stream_child([sys.executable, __file__, *sys.argv[1:], "--one-experts", str(e)], left)
+        rows.extend(got)
+        done = {(r.get("gemm_requested"), r["routing"]) for r in got}
+        for g, r in wanted:
+            if (g, r) not in done:
+                rows.append({"trainer": trainer, "experts": e, "routing": r, "gemm_requested": g, "error": why})
+    add_moe_model_ratios(rows)
+    emit({"name": f"moe-model olmo-train-{trainer}", "rows": rows})
+
+
+def _stream_child(cmd: list[str], timeout: float | None) -> tuple[list[dict], str]:
+    """Run one size's process: its stdout echoed line by line (so a log keeps what it printed
+    even if this process is stopped), its row lines parsed; killed after ``timeout`` s."""
+    import threading
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill) if timeout else None
+    if timer:
+        timer.start()
+    rows = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if line.startswith("{"):
+            row = json.loads(line)
+            if "experts" in row:
+                rows.append(row)
+    rc = proc.wait()
+    if timer:
+        timer.cancel()
+    return rows, f"timed out after {timeout:.0f} s" if fired.is_set() else f"exit {rc} before this row (log above)"
+
+
+def add_moe_model_ratios(rows: list[dict]) -> None:
+    """Each row's tokens/s over the E = 8 row of the same trainer, routing and GEMM backend
+    (``tokens_per_s_vs_e8``; None when there is no such row)."""
+    base = {
+        (r["trainer"], r["routing"], r.get("gemm")): r["tokens_per_s"]
+        for r in rows
+        if r.get("experts") == 8 and "tokens_per_s" in r
+    }
+    for r in rows:
+        if "tokens_per_s" in r:
+            b = base.get((r["trainer"], r["routing"], r.get("gemm")))
+            r["tokens_per_s_vs_e8"] = r["tokens_per_s"] / b if b else None
+
+
+def _moe_fit_error(spec, tokens: int, capacity: float | None) -> str | None:
+    mem = moe_model_memory(spec, tokens)
+    if capacity and mem["total_bytes"] > 0.95 * capacity:
+        return (
+            f"estimated {mem['total_bytes'] / 1e9:.1f} GB for E={spec.moe.n_experts} exceeds 95% of the device's "
+            f"{capacity / 1e9:.1f} GB; lower --expert-hidden, --layers or --batch"
+        )
+    return None
+
+
+def _moe_model_row(args, spec, trainer: str, routing: str, run, moe_keys: dict, built: int, peak_gib) -> dict:
+    from olmo_model import flops_per_token, param_counts
+
+    first, times, losses = run
+    tokens = args.batch * args.seq
+    step = statistics.median(times)
+    fpt = flops_per_token(spec, args.seq)
+    counts = np.asarray(moe_keys["moe_tokens_per_expert"], dtype=np.int64)
+    mean = counts.mean()
+    pc = param_counts(spec)
+    return {
+        "trainer": trainer,
+        "experts": spec.moe.n_experts,
+        "routing": routing,
+        "layers": spec.n_layers,
+        "d_model": spec.d_model,
+        "expert_hidden": spec.moe.expert_hidden,
+        "top_k": spec.moe.top_k,
+        "shared_experts": spec.moe.n_shared_experts,
+        "seq": args.seq,
+        "batch": args.batch,
+        "tokens_per_step": tokens,
+        "params_total": pc.total,
+        "params_active": pc.active,
+        "params_built": built,
+        "memory_estimate_gb": moe_model_memory(spec, tokens)["total_bytes"] / 1e9,
+        "step_s": step,
+        "step_min_s": min(times),
+        "step_max_s": max(times),
+        "warmup_s": first,
+        "tokens_per_s": tokens / step,
+        "tflops": fpt * tokens / step / 1e12,
+        "mfu_datasheet": fpt * tokens / step / DATASHEET_BF16,
+        "moe_flop_share": moe_flop_share(spec, args.seq),
+        # Assignments per expert in the last timed step, summed over the MoE layers.
+        "tokens_per_expert": counts.tolist(),
+        "assignments": int(counts.sum()),
+        "expert_load_max_over_mean": float(counts.max() / mean),
+        "expert_load_min_over_mean": float(counts.min() / mean),
+        "dropped": int(moe_keys["moe_dropped_tokens"]),
+        "peak_mem_gib": peak_gib,
+        "losses": losses,
+    }
+
+
+def _print_row(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "tokens_per_expert"}), file=sys.stderr, flush=True)
+
+
+def _moe_model_torch_rows(args, spec) -> None:
+    """The rows of one E: olmo-train-torch's ``train_step`` on a 1-rank process group (FSDP2,
+    bf16 params / fp32 reduce, blocks compiled unless ``--no-compile``), the model started as
+    the trainer starts it (``start_model``: meta device, ``prepare_model`` with the recipe's
+    ``moe.routing``, storage allocated) and filled on the device (truncated normal, std
+    ``init_std`` cut at ``init_cutoff`` std, norms ones: the distribution of olmo_model.init
+    without its host-side float64 draw, which would take minutes at billions of parameters)."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import gc
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from olmo_model.recipe import batch_layout, load_recipe
+    from olmo_model.runlog import SpikeGuard
+    from olmo_train_torch.parallelize import build_mesh, init_distributed
+    from olmo_train_torch.train import make_optimizer, start_model, train_step
+
+    d = init_distributed("auto")
+    capacity = torch.cuda.get_device_properties(0).total_memory if _cuda() else None
+    fit = _moe_fit_error(spec, args.batch * args.seq, capacity)
+    data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
+    for routing in args.routing:
+        if fit:
+            _print_row({"trainer": "torch", "experts": spec.moe.n_experts, "routing": routing, "error": fit})
+            continue
+        recipe = load_recipe(
+            None,
+            [
+                "--train.precision=bf16",
+                "--optim.lr=1e-4",
+                "--torch.parallel=fsdp",
+                f"--torch.compile={str(args.compile).lower()}",
+                f"--moe.routing={routing}",
+            ],
+        ).model_copy(update={"model": spec.model_dump(mode="json")})
+        try:
+            mesh = build_mesh(d, recipe.torch)
+            torch.manual_seed(0)
+            model = start_model(recipe, spec, d, mesh, None, allocate_only=True)
+            std, cut = spec.init_std, spec.init_cutoff * spec.init_std
+            with torch.no_grad():
+                for p in model.parameters():
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    if local.ndim >= 2:
+                        torch.nn.init.trunc_normal_(local, std=std, a=-cut, b=cut)
+                    else:
+                        local.fill_(1.0)
+            built = sum(p.numel() for p in model.parameters())
+            optimizer = make_optimizer(model, recipe, d.device)
+            layout, guard = batch_layout(args.batch, 1), SpikeGuard()
+            last: dict = {}
+
+            def step(tokens: np.ndarray, model=model, optimizer=optimizer, recipe=recipe, layout=layout, guard=guard):
+                last["n"] = last.get("n", 0) + 1
+                b = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "doc_ids": np.zeros_like(tokens[:, 1:])}
+                stats = train_step(
+                    model,
+                    optimizer,
+                    b,
+                    layout=layout,
+                    d=d,
+                    spec=spec,
+                    recipe=recipe,
+                    lr=1e-4,
+                    guard=guard,
+                    step=last["n"],  # seeds random routing: a new draw every step
+                )
+                _sync()
+                last["moe"] = stats.moe
+                return float(stats.loss)
+
+            run = _run_steps(step, data, args.warmup, args.max_seconds)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None
+            row = _moe_model_row(args, spec, "torch", routing, run, last["moe"], built, peak)
+            row.update(compile=args.compile, torch=torch.__version__)
+        except Exception as err:  # noqa: BLE001 - one routing failing (OOM) must not hide the other
+            row = {
+                "trainer": "torch",
+                "experts": spec.moe.n_experts,
+                "routing": routing,
+                "error": f"{type(err).__name__}: {str(err)[:400]}",
+            }
+        _print_row(row)
+        model = optimizer = None
+        gc.collect()
+        # The next routing's model compiles afresh, not into a cache this one filled (whose
+        # recompile limit would silently leave blocks eager).
+        torch._dynamo.reset()
+        if _cuda():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+
+def _moe_model_jax_rows(args, spec) -> None:
+    """The rows of one E: olmo-train-jax's ``placed_step`` (``step_functions``' fused step on a
+    one-device mesh: jitted, parameters and AdamW state donated), ``jax.remat`` and
+    ``jax.attention`` from the flags, ``moe.routing`` per row. ``--gemm`` other than ``auto``:
+    the trainer has no recipe knob for the grouped GEMM (``moe.gemm_backend`` decides), so for
+    those rows this process binds the name ``expert_parallel.local_experts``, which the
+    trainer's one-device expert path calls, to ``moe.local_experts`` with that backend, for the
+    duration of the row."""
+    import functools
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+
+    from olmo_model.recipe import load_recipe
+    from olmo_train_jax import expert_parallel
+    from olmo_train_jax import moe as jax_moe
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.train import placed_step
+
+    dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
+    stats0 = jax.devices()[0].memory_stats() or {}
+    fit = _moe_fit_error(spec, args.batch * args.seq, stats0.get("bytes_limit"))
+    data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
+    lr = np.float32(1e-4)
+    for gemm in args.gemm:
+        if gemm not in jax_moe.GEMM_BACKENDS:
+            raise SystemExit(f"--gemm {gemm}: unknown; use one of {', '.join(jax_moe.GEMM_BACKENDS)}")
+        name = jax_moe.gemm_backend(dtype, spec.d_model, spec.moe.expert_hidden) if gemm == "auto" else gemm
+        for routing in args.routing:
+            head = {"trainer": "jax", "experts": spec.moe.n_experts, "routing": routing}
+            head.update(gemm=name, gemm_requested=gemm)
+            if fit:
+                _print_row({**head, "error": fit})
+                continue
+            recipe = load_recipe(
+                None,
+                [
+                    f"--train.precision={args.precision}",
+                    f"--jax.remat={args.remat}",
+                    f"--jax.attention={args.attention}",
+                    f"--moe.routing={routing}",
+                ],
+            )
+            original = expert_parallel.local_experts
+            if gemm != "auto":
+                expert_parallel.local_experts = functools.partial(jax_moe.local_experts, gemm=gemm)
+            try:
+                model = build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention)
+                fns, carry = placed_step(model, spec, recipe)
+                del model
+                built = sum(x.size for x in jax.tree.leaves(carry[0]))
+                last: dict = {}
+
+                def step(tokens: np.ndarray, fns=fns, carry=carry) -> float:
+                    last["n"] = last.get("n", 0) + 1
+                    host = {
+                        "input_ids": tokens[None, :, :-1],
+                        "labels": tokens[None, :, 1:],
+                        "doc_ids": np.zeros_like(tokens[None, :, 1:]),
+                    }
+                    b = {k: jnp.asarray(v) for k, v in host.items()}
+                    carry[0], carry[1], stats = fns.fused(carry[0], carry[1], b, lr, np.int32(last["n"]))
+                    last["moe"] = stats["moe"]
+                    return float(stats["loss"])
+
+                run = _run_steps(step, data, args.warmup, args.max_seconds)
+                moe_keys = jax_moe.moe_metrics(last["moe"], ep_size=1)
+                mem = jax.devices()[0].memory_stats() or {}
+                # JAX has no peak reset: a process's second row reports the larger of both.
+                peak = mem.get("peak_bytes_in_use", 0) / 2**30 or None
+                row = {**_moe_model_row(args, spec, "jax", routing, run, moe_keys, built, peak), **head}
+                row.update(remat=args.remat, attention=args.attention, precision=args.precision, jax=jax.__version__)
+            except Exception as err:  # noqa: BLE001 - one backend or routing failing must not hide the others
+                row = {**head, "error": f"{type(err).__name__}: {str(err)[:400]}"}
+            finally:
+                expert_parallel.local_experts = original
+            _print_row(row)
+            fns = carry = None  # the row's arrays go before the next row builds its own
+            last = {}
+            gc.collect()
+
+
 # ---- all -------------------------------------------------------------------------------------
+
+# The default ``--only``: what issue 24's acceptance needs first (the whole-model MoE at 8 and
+# 128 experts, both trainers), then the dense steps and the CLIs, then 32 and 64 experts.
+DEFAULT_PLAN = [
+    "env",
+    "torch",
+    "jax-save-dots",
+    "olmo-core",
+    "moe-model-torch",
+    "moe-model-jax",
+    "cli-torch",
+    "cli-jax",
+    "moe-model-torch-more",
+    "moe-model-jax-more",
+]
 
 
 def cmd_all(args) -> None:
@@ -520,8 +970,32 @@ def cmd_all(args) -> None:
         "--hidden",
         str(args.moe_hidden),
     ]
+    moe_model = [
+        "--preset",
+        args.preset,
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.moe_model_batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--max-seconds",
+        str(args.max_seconds),
+        "--expert-hidden",
+        str(args.moe_model_expert_hidden),
+        *(["--layers", str(args.moe_model_layers)] if args.moe_model_layers else []),
+    ]
+    first_e, more_e = (["--experts", *map(str, e)] for e in (args.moe_model_experts, args.moe_model_more_experts))
+    jax_gemm = ["--gemm", *args.moe_model_gemm, "--precision", args.moe_model_precision]
+    torch_compile = ["--compile" if args.moe_model_compile else "--no-compile"]
     plan = {
         "env": (["env"], 60),
+        "moe-model-torch": (["moe-model-torch", *moe_model, *first_e, *torch_compile], 210),
+        "moe-model-jax": (["moe-model-jax", *moe_model, *first_e, *jax_gemm], 180),
+        "moe-model-torch-more": (["moe-model-torch", *moe_model, *more_e, *torch_compile], 210),
+        "moe-model-jax-more": (["moe-model-jax", *moe_model, *more_e, *jax_gemm], 180),
         "torch": (["torch", *common, "--compile"], 200),
         "jax": (["jax", *common, "--attention", "auto"], 200),
         "olmo-core": (None, 200),
@@ -546,6 +1020,17 @@ def cmd_all(args) -> None:
             results.append({"name": key, "error": "skipped: out of time"})
             continue
         timeout = min(budget, left)
+        if key.startswith("moe-model"):
+            # The driver stops its size processes itself, before this timeout would stop it
+            # and leave a size's process holding the card.
+            argv = [*argv, "--budget-s", f"{max(timeout - 15, 20):.0f}"]
+        if key == "olmo-core" and importlib.util.find_spec("olmo_core") is None:
+            res = {"name": "OLMo-core compile", "error": "skipped: ai2-olmo-core is not installed (carry its wheel)"}
+            print(json.dumps(res), flush=True)
+            results.append(res)
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(res) + "\n")
+            continue
         print(f"== {key} (timeout {timeout:.0f} s)", flush=True)
         t0 = time.perf_counter()
         log = logs / f"{key}.log"
@@ -616,8 +1101,27 @@ def print_table(results: list[dict]) -> None:
         f"{'contender':44s} {'step s':>7s} {'tok/s/dev':>10s} {'TFLOP/s':>8s} {'MFU(989)':>9s} "
         f"{'MFU(meas)':>9s} {'mem GiB':>8s} {'warmup s':>9s}"
     )
+    # 32 and 64 experts run in contenders of their own: their ratios to E = 8 come from here.
+    add_moe_model_ratios(
+        [row for r in results if str(r.get("name", "")).startswith("moe-model") for row in r.get("rows", [])]
+    )
     for r in results:
-        if r.get("cli"):
+        if str(r.get("name", "")).startswith("moe-model") and "rows" in r:
+            for row in r["rows"]:
+                label = f"{r['name']} {row.get('gemm') or ''}".strip()
+                head = f"{label:36s} E={row['experts']:<4d} {row['routing']:8s}"
+                if "error" in row:
+                    print(f"{head} {row['error'][:200]}")
+                    continue
+                ratio = row.get("tokens_per_s_vs_e8")
+                mem = f"{row['peak_mem_gib']:.1f} GiB" if row.get("peak_mem_gib") else "- GiB"
+                print(
+                    f"{head} {row['step_s'] * 1e3:8.1f} ms {row['tokens_per_s']:10,.0f} tok/s "
+                    f"{row['tflops']:6.1f} TFLOP/s load max/mean {row['expert_load_max_over_mean']:.2f} {mem:>9s} "
+                    + (f"{ratio:.3f} of E=8" if ratio else "")
+                    + f" ({row['layers']} layers x {row['expert_hidden']}, {row['params_total'] / 1e9:.3g} B params)"
+                )
+        elif r.get("cli"):
             ev = ", ".join(f"{k} ppl {v['perplexity']:.1f}" for k, v in (r["eval"] or {}).items())
             print(
                 f"{r['name']:44s} {r['steps']} steps, loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, "
@@ -672,28 +1176,24 @@ def main() -> None:
     sub.choices["all"].add_argument(
         "--only",
         nargs="+",
-        default=[
-            "env",
-            "torch",
-            "jax-save-dots",
-            "jax",
-            "olmo-core",
-            "moe-torch",
-            "moe-jax",
-            "jax-attention-test",
-            "grouped-gemm-test",
-            "cli-torch",
-            "cli-jax",
-            "jax-xla-save-dots",
-            "torch-eager",
-        ],
-        help="contenders, in this order",
+        default=DEFAULT_PLAN,
+        help="contenders, in this order (default: the plan of README 'Default plan', about 8 minutes)",
     )
     sub.choices["all"].add_argument("--cli-preset", default="olmo3-190m", help="model of the cli-* contenders")
     sub.choices["all"].add_argument("--cli-steps", type=int, default=30)
     sub.choices["all"].add_argument("--moe-experts", type=int, nargs="+", default=[8, 32, 64, 128])
     sub.choices["all"].add_argument("--moe-tokens", type=int, default=16384)
     sub.choices["all"].add_argument("--moe-jax-gemm", nargs="+", default=["auto", "ragged"])
+    sub.choices["all"].add_argument("--moe-model-experts", type=int, nargs="+", default=[8, 128])
+    sub.choices["all"].add_argument("--moe-model-more-experts", type=int, nargs="+", default=[32, 64])
+    sub.choices["all"].add_argument("--moe-model-batch", type=int, default=4, help="sequences per MoE-model step")
+    sub.choices["all"].add_argument("--moe-model-expert-hidden", type=int, default=MOE_MODEL_HIDDEN)
+    sub.choices["all"].add_argument("--moe-model-layers", type=int, default=None, help="default: the preset's")
+    sub.choices["all"].add_argument("--moe-model-gemm", nargs="+", default=["auto"])
+    sub.choices["all"].add_argument(
+        "--moe-model-compile", action=argparse.BooleanOptionalAction, default=True, help="no: CPU dry runs"
+    )
+    sub.choices["all"].add_argument("--moe-model-precision", default="bf16", help="JAX; fp32: CPU dry runs")
     sub.choices["all"].add_argument("--moe-d-model", type=int, default=2048)
     sub.choices["all"].add_argument("--moe-hidden", type=int, default=1024)
     sub.choices["torch"].add_argument("--compile", action="store_true")
@@ -721,6 +1221,30 @@ def main() -> None:
         default=["auto", "ragged"],
         help="grouped GEMM backends (moe.GEMM_BACKENDS; auto = moe.gemm_backend)",
     )
+    for name in ("moe-model-torch", "moe-model-jax"):
+        p = sub.add_parser(name, help="the whole model's train step with every MLP an MoE block (moe_model_spec)")
+        p.add_argument("--preset", default="olmo3-1b", help="the shape: d_model, heads, vocab, window, layers")
+        p.add_argument("--layers", type=int, default=None, help="fewer layers than the preset's (stated in each row)")
+        p.add_argument("--expert-hidden", type=int, default=MOE_MODEL_HIDDEN, help="routed and shared expert width")
+        p.add_argument(
+            "--experts", type=int, nargs="+", default=[8, 32, 64, 128], help="routed experts, one process each"
+        )
+        p.add_argument("--routing", nargs="+", default=["learned", "random"], choices=("learned", "random", "uniform"))
+        p.add_argument("--seq", type=int, default=4096)
+        p.add_argument("--batch", type=int, default=4, help="sequences per step (moe_model_spec: 16,384 tokens)")
+        p.add_argument("--steps", type=int, default=8, help="timed steps")
+        p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation)")
+        p.add_argument("--max-seconds", type=float, default=60, help="stop timing a row once this much has run")
+        p.add_argument("--budget-s", type=float, default=None, help="start no size after this many seconds")
+        p.add_argument("--one-experts", type=int, default=None, help=argparse.SUPPRESS)  # a size's own process
+    sub.choices["moe-model-torch"].add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile each block"
+    )
+    jm = sub.choices["moe-model-jax"]
+    jm.add_argument("--gemm", nargs="+", default=["auto"], choices=("auto", "ragged", "tiled", "mgpu"))
+    jm.add_argument("--remat", default="save_dots", choices=("none", "block", "save_dots"))
+    jm.add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"))
+    jm.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="fp32 only for dry runs on CPU")
     args = parser.parse_args()
     {
         "all": cmd_all,
@@ -729,6 +1253,8 @@ def main() -> None:
         "jax": cmd_jax,
         "moe-torch": cmd_moe_torch,
         "moe-jax": cmd_moe_jax,
+        "moe-model-torch": cmd_moe_model,
+        "moe-model-jax": cmd_moe_model,
     }[args.cmd](args)
 
 
