@@ -175,7 +175,7 @@ def cmd_torch(args) -> None:
             f"--model={args.preset}",
             "--train.precision=bf16",
             "--optim.lr=1e-4",
-            "--torch.parallel=fsdp",
+            f"--torch.parallel={args.parallel}",
             f"--torch.compile={str(args.compile).lower()}",
             f"--torch.activation_checkpointing={str(args.ac).lower()}",
         ],
@@ -197,7 +197,7 @@ def cmd_torch(args) -> None:
     first, times, losses = _run_steps(step, data, args.warmup, args.max_seconds)
     res = summarize(times, first, args.batch * args.seq, flops_per_token(spec, args.seq), losses)
     res.update(
-        name=f"olmo-train-torch fsdp{' compile' if args.compile else ' eager'}{' ac' if args.ac else ''}",
+        name=f"olmo-train-torch {args.parallel}{' compile' if args.compile else ' eager'}{' ac' if args.ac else ''}",
         peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None,
         torch=torch.__version__,
     )
@@ -936,6 +936,7 @@ DEFAULT_PLAN = [
     "moe-model-jax",
     "cli-torch",
     "cli-jax",
+    "torch-none",
     "moe-model-torch-more",
     "moe-model-jax-more",
 ]
@@ -1004,6 +1005,8 @@ def cmd_all(args) -> None:
         "moe-jax": (["moe-jax", *moe, "--gemm", *args.moe_jax_gemm], 150),
         "jax-xla-attention": (["jax", *common, "--attention", "xla"], 200),
         "torch-eager": (["torch", *common], 150),
+        # No FSDP wrapper on the one GPU: bf16 autocast over fp32 weights, compiled blocks.
+        "torch-none": (["torch", *common, "--compile", "--parallel", "none"], 200),
         "jax-remat-block": (["jax", *common, "--attention", "auto", "--remat", "block"], 200),
         "jax-save-dots": (["jax", *common, "--attention", "auto", "--remat", "save_dots"], 200),
         "jax-xla-save-dots": (["jax", *common, "--attention", "xla", "--remat", "save_dots"], 200),
@@ -1198,6 +1201,12 @@ def main() -> None:
     sub.choices["all"].add_argument("--moe-hidden", type=int, default=1024)
     sub.choices["torch"].add_argument("--compile", action="store_true")
     sub.choices["torch"].add_argument("--ac", action="store_true", help="activation checkpointing per block")
+    sub.choices["torch"].add_argument(
+        "--parallel",
+        choices=["fsdp", "none"],
+        default="fsdp",
+        help="fsdp: FSDP2 on a 1-rank group, bf16 params / fp32 reduce; none: no wrapper, bf16 autocast",
+    )
     sub.choices["jax"].add_argument("--attention", default="auto", choices=("auto", "xla", "cudnn"))
     sub.choices["jax"].add_argument(
         "--precision",
