@@ -11,11 +11,14 @@ The driver owns the rest:
 - ``check_shared_run_dir``: in a multi-process run, that every process sees the run dir process
   0 writes (a marker with a random token); else a one-line refusal, not a hang at the first
   checkpoint. The trainer passes its own all-gather, so this package stays framework-free.
-- ``run``: the run dir, the loop (LR from the recipe's schedule, step timing, the log /
-  checkpoint / eval cadence, the console, the train line of ``runlog.TRAIN_KEYS``), the
-  spike guard's state, the finite-state check before every checkpoint, and the end of the
-  run (final eval, summary table, loss plot), with the loader, console and checkpointer
-  closed in ``finally`` so a save in flight is committed even when the loop raises.
+- ``run``: the run dir's lock (``olmo_run.lock``: process 0 takes ``RUN_LOCK`` before its
+  first write, refreshes its heartbeat from the loop and deletes it however the run ends; a
+  run dir another live run holds is a one-line RecipeError), the run dir, the loop (LR from
+  the recipe's schedule, step timing, the log / checkpoint / eval cadence, the console, the
+  train line of ``runlog.TRAIN_KEYS``), the spike guard's state, the finite-state check
+  before every checkpoint, and the end of the run (final eval, summary table, loss plot),
+  with the loader, console and checkpointer closed in ``finally`` so a save in flight is
+  committed even when the loop raises.
 
 A run whose final checkpoint exists but whose final eval or plot does not (a kill between
 them) is finished by a rerun: state restored, no step trained again, eval and plot written.
@@ -54,6 +57,8 @@ from olmo_model.runlog import (
 )
 from olmo_model.storage import RunPath, URLPath, backend, local_copy
 from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
+from olmo_run.lock import RunLock
+from olmo_run.lock import acquire as acquire_run_lock
 from olmo_run.sinks import open_sinks
 
 # Process 0's marker in the run dir while the processes check that they share it.
@@ -293,8 +298,11 @@ def announce_finished(plan: RunPlan, is_main: bool) -> bool:
 class Run:
     """One run of a plan with a trainer's module: the loop and what surrounds it."""
 
-    def __init__(self, plan: RunPlan, module: TrainModule, console: ProgressConsole, is_main: bool):
+    def __init__(
+        self, plan: RunPlan, module: TrainModule, console: ProgressConsole, is_main: bool, lock: RunLock | None = None
+    ):
         self.plan, self.module, self.console, self.is_main = plan, module, console, is_main
+        self.lock = lock  # the run-dir lock process 0 holds; its heartbeat is refreshed every step
         self.recipe = plan.recipe
         self.guard = SpikeGuard.from_recipe(self.recipe)
         self.metrics = MetricsLog(plan.run_dir, resume_step=plan.start_step, enabled=is_main)
@@ -422,6 +430,8 @@ class Run:
                     self.save(step)
                 if step % r.eval.every == 0 or step == total:
                     self.evaluate(step)
+                if self.lock is not None:
+                    self.lock.refresh()  # a write at most every lock.HEARTBEAT_S
             if start == total:  # the final checkpoint was written but the run ended before its eval
                 self.evaluate(total)
             self.trace(total + 1)
@@ -488,13 +498,22 @@ def run(
 ) -> RunPath:
     """Write the run dir, build the trainer's module, train to the end; returns the run dir.
     ``describe`` are the trainer's start-up lines (its parallel layout)."""
-    console = ProgressConsole(plan.recipe.log.progress, is_main, plan.total_steps, plan.start_step)
-    for line in describe:
-        console.line(line)
-    console.line(f"batch layout: {plan.layout.describe()} (sequence length {plan.sequence_length})")
-    prepare_run_dir(plan.recipe, plan.spec, is_main, resumed_at=plan.resume[0] if plan.resume else None)
-    module = build_module()
-    the_run = Run(plan, module, console, is_main)
-    the_run.loop()
-    the_run.finish(title)
+    # The main process's first write: the run dir's lock (olmo_run.lock), released however the
+    # run ends; the other processes never touch it.
+    lock = acquire_run_lock(plan.run_dir) if is_main else None
+    try:
+        console = ProgressConsole(plan.recipe.log.progress, is_main, plan.total_steps, plan.start_step)
+        for line in describe:
+            console.line(line)
+        console.line(f"batch layout: {plan.layout.describe()} (sequence length {plan.sequence_length})")
+        prepare_run_dir(plan.recipe, plan.spec, is_main, resumed_at=plan.resume[0] if plan.resume else None)
+        module = build_module()
+        if lock is not None:
+            lock.refresh()  # restoring or initialising the state may take a while
+        the_run = Run(plan, module, console, is_main, lock)
+        the_run.loop()
+        the_run.finish(title)
+    finally:
+        if lock is not None:
+            lock.release()
     return plan.run_dir
