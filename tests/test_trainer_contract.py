@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_checks import refused
+from ranks import run_torch_cli
 
 from olmo_data import load_mixture
 from olmo_data.digest import batch_digest
@@ -110,8 +111,13 @@ def cli_main(framework: str) -> Callable[[list[str]], int]:
 
 def run_cli(framework: str, args: list[str], ranks: int = 1, kill_after: int | None = None):
     """The trainer's CLI in a fresh process: JAX on ``ranks`` simulated CPU devices, torch as
-    ``ranks`` processes (torchrun, gloo). With ``kill_after`` it SIGKILLs itself right after
-    the step-N checkpoint is committed (tests/support/kill_after_checkpoint.py)."""
+    one forked process or ``ranks`` processes under torchrun (gloo). With ``kill_after`` it
+    SIGKILLs itself right after the step-N checkpoint is committed
+    (tests/support/kill_after_checkpoint.py)."""
+    if framework == "torch" and ranks == 1:
+        # One torch process forked with torch already imported (tests/support/ranks.py); the
+        # elastic test's two ranks go through real torchrun.
+        return run_torch_cli(args, env={"OMP_NUM_THREADS": "1"}, timeout=900, kill_after=kill_after)
     entry = ["-m", f"olmo_train_{framework}"] if kill_after is None else [str(KILL_SCRIPT), framework, str(kill_after)]
     env = dict(os.environ)
     if framework == "jax":

@@ -10,6 +10,14 @@ The test module itself is not importable by name under ``--import-mode=importlib
 loads it from its file and calls the named function: ``start_ranks(fn, n, *args)`` runs
 ``fn(rank, port, *args)`` in ``n`` processes (each gets its own copy of ``args``) and raises
 if any fails.
+
+``run_torch_cli(args, nproc)`` runs olmo-train-torch's real entry point (``cli.main``) the same
+way: one process, or ``nproc`` ranks with the environment torchrun gives them (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), each forked with torch and the trainer already
+imported, which is most of a tiny CPU run's start-up (several seconds per process, and a
+torchrun launcher process less). Like torchrun, the first rank to fail stops the others. The
+tests that are about the launch itself (the contract's elastic test, remote run dirs) keep
+real torchrun.
 """
 
 from __future__ import annotations
@@ -18,14 +26,26 @@ import copy
 import importlib.util
 import inspect
 import multiprocessing
+import os
 import socket
+import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+import time
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 # Imported once by the fork server, so that each rank starts with them loaded.
-PRELOAD = ["ranks", "torch", "torch.distributed", "olmo_train_torch.train"]
+PRELOAD = [
+    "ranks",
+    "kill_after_checkpoint",
+    "torch",
+    "torch.distributed",
+    "olmo_train_torch.train",
+    "olmo_train_torch.checkpoint",
+    "olmo_train_torch.cli",
+]
 
 _loaded: dict[str, ModuleType] = {}
 
@@ -69,3 +89,99 @@ def start_ranks(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
         join=True,
         start_method="forkserver",
     )
+
+
+def _cli_entry(argv: list[str], env: dict[str, str], kill_after: int | None, out: str, err: str) -> None:
+    """One rank of ``run_torch_cli``: this run's environment, stdout/stderr to files, the CLI."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    for path, fd in ((out, 1), (err, 2)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    if env.get("OMP_NUM_THREADS"):  # read by torch at import, in the fork server: apply it here
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if kill_after is not None:
+        import kill_after_checkpoint
+
+        kill_after_checkpoint.install("torch", kill_after)
+    from olmo_train_torch.cli import main
+
+    sys.exit(main(argv))
+
+
+def run_torch_cli(
+    args: list[str],
+    nproc: int = 1,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 300,
+    kill_after: int | None = None,
+) -> subprocess.CompletedProcess:
+    """``olmo-train-torch ARGS`` as one process or ``nproc`` ranks (see the module docstring);
+    with ``kill_after`` each rank SIGKILLs itself right after the step-N checkpoint commits
+    (tests/support/kill_after_checkpoint.py). Returns what ``subprocess.run`` would: the exit
+    status of the one process (negative for a signal), or torchrun's (0, or 1 when a rank
+    failed), and every rank's stdout and stderr, rank 0 first."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    ctx = multiprocessing.get_context("forkserver")
+    base = {**os.environ, **(env or {})}
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="torch-cli-") as tmp:
+        procs, files = [], []
+        for rank in range(nproc):
+            rank_env = dict(base)
+            if nproc > 1:
+                rank_env.update(
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc),
+                    GROUP_RANK="0",
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                )
+            out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
+            proc = ctx.Process(target=_cli_entry, args=(list(args), rank_env, kill_after, out, err))
+            proc.start()
+            procs.append(proc)
+            files.append((out, err))
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(1.0)  # torchrun's monitor interval: then it stops the rest
+                for p in procs:
+                    if p.is_alive():
+                        p.terminate()
+                for p in procs:
+                    p.join(30)
+                    if p.is_alive():
+                        p.kill()
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                for p in procs:
+                    p.kill()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.join()
+
+        def read(path: str) -> str:  # absent when a rank died before its entry ran
+            return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+        stdout = "".join(read(out) for out, _ in files)
+        stderr = "".join(read(err) for _, err in files)
+    argv = ["olmo-train-torch", *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    codes = [p.exitcode for p in procs]
+    if nproc == 1:
+        code = codes[0]
+    else:
+        code = 0 if all(c == 0 for c in codes) else 1
+    return subprocess.CompletedProcess(argv, code, stdout, stderr)
