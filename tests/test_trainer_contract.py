@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_checks import refused
-from ranks import run_torch_cli
+from ranks import run_cli_forked
 
 from olmo_data import load_mixture
 from olmo_data.digest import batch_digest
@@ -110,24 +110,22 @@ def cli_main(framework: str) -> Callable[[list[str]], int]:
 
 
 def run_cli(framework: str, args: list[str], ranks: int = 1, kill_after: int | None = None):
-    """The trainer's CLI in a fresh process: JAX on ``ranks`` simulated CPU devices, torch as
-    one forked process or ``ranks`` processes under torchrun (gloo). With ``kill_after`` it
+    """The trainer's CLI in a fresh process: JAX on ``ranks`` simulated CPU devices, torch as one
+    process or, for ``ranks`` > 1, that many under torchrun (gloo). With ``kill_after`` it
     SIGKILLs itself right after the step-N checkpoint is committed
     (tests/support/kill_after_checkpoint.py)."""
-    if framework == "torch" and ranks == 1:
-        # One torch process forked with torch already imported (tests/support/ranks.py); the
-        # elastic test's two ranks go through real torchrun.
-        return run_torch_cli(args, env={"OMP_NUM_THREADS": "1"}, timeout=900, kill_after=kill_after)
-    entry = ["-m", f"olmo_train_{framework}"] if kill_after is None else [str(KILL_SCRIPT), framework, str(kill_after)]
-    env = dict(os.environ)
     if framework == "jax":
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
-        cmd = [sys.executable, *entry, *args]
-    else:
-        env["OMP_NUM_THREADS"] = "1"  # the thread count the in-process runs use (one_torch_thread)
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-        cmd = [sys.executable, *launcher, *entry, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        # Forked with JAX and the trainer imported (tests/support/ranks.py), XLA_FLAGS its own.
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={ranks}"}
+        return run_cli_forked("jax", args, env=env, timeout=900, kill_after=kill_after)
+    if ranks == 1:  # one torch process, forked the same way; the elastic test's two ranks: torchrun
+        return run_cli_forked("torch", args, env={"OMP_NUM_THREADS": "1"}, timeout=900, kill_after=kill_after)
+    entry = ["-m", "olmo_train_torch"] if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the thread count the in-process runs use (one_torch_thread)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.run(
+        [sys.executable, *launcher, *entry, *args], env=env, capture_output=True, text=True, timeout=900
+    )
 
 
 def check_ok(done: subprocess.CompletedProcess) -> None:

@@ -11,13 +11,15 @@ loads it from its file and calls the named function: ``start_ranks(fn, n, *args)
 ``fn(rank, port, *args)`` in ``n`` processes (each gets its own copy of ``args``) and raises
 if any fails.
 
-``run_torch_cli(args, nproc)`` runs olmo-train-torch's real entry point (``cli.main``) the same
-way: one process, or ``nproc`` ranks with the environment torchrun gives them (RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), each forked with torch and the trainer already
-imported, which is most of a tiny CPU run's start-up (several seconds per process, and a
-torchrun launcher process less). Like torchrun, the first rank to fail stops the others. The
-tests that are about the launch itself (the contract's elastic test, remote run dirs) keep
-real torchrun.
+``run_cli_forked(framework, args, nproc)`` runs a trainer's real entry point (``cli.main``)
+the same way, forked with the framework and the trainer already imported, which is most of a
+tiny CPU run's start-up (several seconds per process). torch: one process, or ``nproc`` ranks
+with the environment torchrun gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and,
+like torchrun, the first rank to fail stops the others. JAX: one process; the fork server
+imports JAX without starting a backend, so the child's ``XLA_FLAGS`` (its simulated device
+count) still apply, while other ``JAX_*`` settings are the fork server's (JAX reads them at
+import). The tests that are about the launch itself (the contract's elastic test, the JAX
+multi-process tests, remote run dirs) keep real launchers.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ PRELOAD = [
     "olmo_train_torch.train",
     "olmo_train_torch.checkpoint",
     "olmo_train_torch.cli",
+    "olmo_train_jax.train",
+    "olmo_train_jax.checkpoint",
+    "olmo_train_jax.cli",
 ]
 
 _loaded: dict[str, ModuleType] = {}
@@ -91,8 +96,10 @@ def start_ranks(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
     )
 
 
-def _cli_entry(argv: list[str], env: dict[str, str], kill_after: int | None, out: str, err: str) -> None:
-    """One rank of ``run_torch_cli``: this run's environment, stdout/stderr to files, the CLI."""
+def _cli_entry(
+    framework: str, argv: list[str], env: dict[str, str], kill_after: int | None, out: str, err: str
+) -> None:
+    """One process of ``run_cli_forked``: this run's environment, stdout/stderr to files, the CLI."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     for path, fd in ((out, 1), (err, 2)):
@@ -101,31 +108,31 @@ def _cli_entry(argv: list[str], env: dict[str, str], kill_after: int | None, out
         os.close(target)
     os.environ.clear()
     os.environ.update(env)
-    import torch
+    if framework == "torch" and env.get("OMP_NUM_THREADS"):
+        import torch  # read OMP_NUM_THREADS at import, in the fork server: apply it here
 
-    if env.get("OMP_NUM_THREADS"):  # read by torch at import, in the fork server: apply it here
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     if kill_after is not None:
         import kill_after_checkpoint
 
-        kill_after_checkpoint.install("torch", kill_after)
-    from olmo_train_torch.cli import main
-
-    sys.exit(main(argv))
+        kill_after_checkpoint.install(framework, kill_after)
+    sys.exit(importlib.import_module(f"olmo_train_{framework}.cli").main(argv))
 
 
-def run_torch_cli(
+def run_cli_forked(
+    framework: str,
     args: list[str],
     nproc: int = 1,
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
     kill_after: int | None = None,
 ) -> subprocess.CompletedProcess:
-    """``olmo-train-torch ARGS`` as one process or ``nproc`` ranks (see the module docstring);
+    """``olmo-train-{framework} ARGS`` as one process or ``nproc`` torch ranks (the module docstring);
     with ``kill_after`` each rank SIGKILLs itself right after the step-N checkpoint commits
     (tests/support/kill_after_checkpoint.py). Returns what ``subprocess.run`` would: the exit
     status of the one process (negative for a signal), or torchrun's (0, or 1 when a rank
     failed), and every rank's stdout and stderr, rank 0 first."""
+    assert framework in ("jax", "torch") and (framework == "torch" or nproc == 1), (framework, nproc)
     multiprocessing.set_forkserver_preload(PRELOAD)
     ctx = multiprocessing.get_context("forkserver")
     base = {**os.environ, **(env or {})}
@@ -145,7 +152,7 @@ def run_torch_cli(
                     MASTER_PORT=str(port),
                 )
             out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
-            proc = ctx.Process(target=_cli_entry, args=(list(args), rank_env, kill_after, out, err))
+            proc = ctx.Process(target=_cli_entry, args=(framework, list(args), rank_env, kill_after, out, err))
             proc.start()
             procs.append(proc)
             files.append((out, err))
@@ -176,7 +183,7 @@ def run_torch_cli(
 
         stdout = "".join(read(out) for out, _ in files)
         stderr = "".join(read(err) for _, err in files)
-    argv = ["olmo-train-torch", *args]
+    argv = [f"olmo-train-{framework}", *args]
     if timed_out:
         raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
     codes = [p.exitcode for p in procs]

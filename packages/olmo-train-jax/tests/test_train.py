@@ -11,14 +11,13 @@ HF init, elastic resume) is tested once for both in the root tests/test_trainer_
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ranks import run_cli_forked
 
 from olmo_model import fp32_mean_tolerance
 from olmo_model.recipe import load_recipe
@@ -26,7 +25,6 @@ from olmo_model.runlog import complete_checkpoints, read_meta, read_metrics
 from olmo_train_jax.cli import main
 
 STEPS = 20
-KILL_SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "support" / "kill_after_checkpoint.py"
 BASE = [
     "--model=tiny",
     "--train.global_batch_tokens=1024",
@@ -71,12 +69,13 @@ def write_mixture(root: Path) -> Path:
 
 
 def run_subprocess(args: list[str], devices: int = 1, kill_after: int | None = None) -> subprocess.CompletedProcess:
-    """olmo-train-jax in a subprocess on ``devices`` simulated CPU devices; with ``kill_after`` it
+    """olmo-train-jax in a fresh process on ``devices`` simulated CPU devices; with ``kill_after`` it
     SIGKILLs itself right after the step-N checkpoint is committed (the test-only entry point
     tests/support/kill_after_checkpoint.py)."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    entry = ["-m", "olmo_train_jax"] if kill_after is None else [str(KILL_SCRIPT), "jax", str(kill_after)]
-    return subprocess.run([sys.executable, *entry, *args], env=env, capture_output=True, text=True, timeout=900)
+    # Forked with JAX and the trainer already imported (tests/support/ranks.py): a fresh process
+    # whose XLA_FLAGS still set its device count, without paying the imports again.
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return run_cli_forked("jax", args, env=env, timeout=900, kill_after=kill_after)
 
 
 def train_records(run_dir: Path) -> dict[int, dict]:

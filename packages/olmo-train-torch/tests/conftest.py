@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ranks import run_torch_cli
+from ranks import run_cli_forked
 
 SEQ = 64
 GLOBAL_BATCH = 16  # sequences; divides over 1, 2 and 4 ranks
@@ -79,12 +79,12 @@ def run_trainer(
 ):
     """Run olmo-train-torch's entry point (``cli.main``) as one process or ``nproc`` gloo ranks
     with torchrun's environment, forked with torch already imported (tests/support/ranks.py
-    ``run_torch_cli``); ``torchrun=True``: ``python -m olmo_train_torch`` under real torchrun.
+    ``run_cli_forked``); ``torchrun=True``: ``python -m olmo_train_torch`` under real torchrun.
     With ``kill_after`` rank 0 SIGKILLs itself right after the step-N checkpoint is committed
     (tests/support/kill_after_checkpoint.py)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not torchrun:
-        return run_torch_cli(args, nproc, full_env, timeout, kill_after)
+        return run_cli_forked("torch", args, nproc, full_env, timeout, kill_after)
     entry = ["-m", "olmo_train_torch"] if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
     if nproc == 1:
         cmd = [sys.executable, *entry, *args]
