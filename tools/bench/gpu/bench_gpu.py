@@ -947,20 +947,14 @@ def cmd_all(args) -> None:
     logs = out / "logs"  # the device tool returns at most 8 files: run_h200.sh tars this folder
     logs.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.deadline_s
-    common = [
-        "--preset",
-        args.preset,
-        "--seq",
-        str(args.seq),
-        "--batch",
-        str(args.batch),
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--max-seconds",
-        str(args.max_seconds),
-    ]
+
+    def step_args(batch: int) -> list[str]:
+        return [
+            *("--preset", args.preset, "--seq", str(args.seq), "--batch", str(batch)),
+            *("--steps", str(args.steps), "--warmup", str(args.warmup), "--max-seconds", str(args.max_seconds)),
+        ]
+
+    common = step_args(args.batch)
     moe = [
         "--experts",
         *map(str, args.moe_experts),
@@ -972,18 +966,7 @@ def cmd_all(args) -> None:
         str(args.moe_hidden),
     ]
     moe_model = [
-        "--preset",
-        args.preset,
-        "--seq",
-        str(args.seq),
-        "--batch",
-        str(args.moe_model_batch),
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--max-seconds",
-        str(args.max_seconds),
+        *step_args(args.moe_model_batch),
         "--expert-hidden",
         str(args.moe_model_expert_hidden),
         *(["--layers", str(args.moe_model_layers)] if args.moe_model_layers else []),
