@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -216,6 +217,33 @@ def test_the_heartbeat_advances_every_interval_and_a_stolen_lock_stops_the_run(m
         go(recipe_for(mixture, tmp_path / "stolen"), LockWatcher, seen=seen, steal_at=3)
     assert len(seen) == 3  # stopped at the refresh after step 3
     # The other run's lock is left in place.
+    assert json.loads((tmp_path / "stolen" / RUN_LOCK_FILE).read_text())["token"] == "cd" * 16
+
+
+def test_the_heartbeat_thread_keeps_a_stepless_phase_fresh_and_reports_a_lost_lock(tmp_path, monkeypatch):
+    # Interval 0: the thread's floor of 1 s between refreshes applies.
+    monkeypatch.setattr(lock, "HEARTBEAT_S", 0.0)
+    held = acquire(tmp_path / "run", ["slow-restore"])
+    path = tmp_path / "run" / RUN_LOCK_FILE
+    first = json.loads(path.read_text())["heartbeat"]
+    held.start()
+    deadline = time.monotonic() + 10
+    while json.loads(path.read_text())["heartbeat"] == first and time.monotonic() < deadline:
+        time.sleep(0.1)  # no refresh call from here: only the thread writes
+    assert json.loads(path.read_text())["heartbeat"] > first
+    held.release()
+    assert held._thread is not None and not held._thread.is_alive() and not path.exists()
+
+    held = acquire(tmp_path / "stolen", ["slow-restore"])
+    held.start()
+    stolen = {**held.record, "pid": 1, "token": "cd" * 16}
+    (tmp_path / "stolen" / RUN_LOCK_FILE).write_text(json.dumps(stolen))
+    deadline = time.monotonic() + 10
+    while held.lost is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with pytest.raises(RunLockError, match="another run took over this run's lock"):
+        held.refresh()  # the loop's next step learns what the thread found
+    held.release()  # not ours: left in place
     assert json.loads((tmp_path / "stolen" / RUN_LOCK_FILE).read_text())["token"] == "cd" * 16
 
 

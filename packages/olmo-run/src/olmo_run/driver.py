@@ -12,7 +12,7 @@ The driver owns the rest:
   0 writes (a marker with a random token); else a one-line refusal, not a hang at the first
   checkpoint. The trainer passes its own all-gather, so this package stays framework-free.
 - ``run``: the run dir's lock (``olmo_run.lock``: process 0 takes ``RUN_LOCK`` before its
-  first write, refreshes its heartbeat from the loop and deletes it however the run ends; a
+  first write, refreshes its heartbeat from a thread and the loop, deletes it however the run ends; a
   run dir another live run holds is a one-line RecipeError), the run dir, the loop (LR from
   the recipe's schedule, step timing, the log / checkpoint / eval cadence, the console, the
   train line of ``runlog.TRAIN_KEYS``), the spike guard's state, the finite-state check
@@ -502,14 +502,14 @@ def run(
     # run ends; the other processes never touch it.
     lock = acquire_run_lock(plan.run_dir) if is_main else None
     try:
+        if lock is not None:
+            lock.start()  # the heartbeat thread: restoring or compiling may outlast lock.STALE_S
         console = ProgressConsole(plan.recipe.log.progress, is_main, plan.total_steps, plan.start_step)
         for line in describe:
             console.line(line)
         console.line(f"batch layout: {plan.layout.describe()} (sequence length {plan.sequence_length})")
         prepare_run_dir(plan.recipe, plan.spec, is_main, resumed_at=plan.resume[0] if plan.resume else None)
         module = build_module()
-        if lock is not None:
-            lock.refresh()  # restoring or initialising the state may take a while
         the_run = Run(plan, module, console, is_main, lock)
         the_run.loop()
         the_run.finish(title)

@@ -18,14 +18,12 @@ takes ``<run dir>/RUN_LOCK``, a small JSON record::
 - A stale lock is taken over, with one stdout line: the same host and its pid is not alive
   (a SIGKILLed run, rerun at once), or its heartbeat is older than `STALE_S` (a host that
   died, whatever host it was). Other hosts' clocks are trusted to within that margin.
-- The holder refreshes the heartbeat from the driver loop (`RunLock.refresh`, at most every
-  `HEARTBEAT_S`): one small write, after reading the lock back. When the token read back is
-  not ours, another run took the lock over (this one was silent longer than `STALE_S`, or
-  lost a race on object storage) and this run stops with a `RunLockError` instead of going
-  on writing beside it.
-  The driver refreshes only between steps (and once after building the module), so a phase
-  longer than `STALE_S` without a step (restoring and compiling a very large model) lets a
-  start on another host take the lock over; this run then stops at its next refresh.
+- The holder refreshes the heartbeat (`RunLock.refresh`, at most every `HEARTBEAT_S`): one
+  small write, after reading the lock back, from a daemon thread (`RunLock.start`, so that a
+  long phase without steps, restoring and compiling a large model, keeps it fresh) and from
+  the driver loop. When the token read back is not ours, another run took the lock over (this
+  one was silent longer than `STALE_S`, or lost a race on object storage) and this run stops
+  with a `RunLockError` at its next step instead of going on writing beside it.
 - `RunLock.release` deletes the lock if it is still ours (a normal end, an error, Ctrl-C;
   the driver's ``finally``). A SIGKILL leaves it, which is what the stale rules are for.
 - A lock file that does not parse is refused as held (the message names the file to delete).
@@ -44,6 +42,7 @@ import os
 import secrets
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -152,15 +151,40 @@ class RunLock:
     path: RunPath
     record: dict[str, Any]
     last_beat: float = field(default_factory=time.monotonic)
+    lost: RunLockError | None = None  # set by the heartbeat thread, raised by the next refresh
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
 
     @property
     def token(self) -> str:
         return str(self.record["token"])
 
+    def start(self) -> None:
+        """Refresh from a daemon thread as well, every `HEARTBEAT_S` (at least 1 s apart) until
+        ``release``; a lock lost meanwhile is raised by the loop's next ``refresh``."""
+
+        def beat() -> None:
+            while not self._stop.wait(max(HEARTBEAT_S, 1.0)):
+                try:
+                    self.refresh()
+                except RunLockError as err:
+                    self.lost = err
+                    return
+
+        self._thread = threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+
     def refresh(self, force: bool = False) -> None:
         """Write a new heartbeat when `HEARTBEAT_S` has passed since the last (or ``force``).
         Raises RunLockError when the lock read back is another run's. A storage failure is a
         warning line and a retry at the next interval: a network blip does not stop the run."""
+        if self.lost is not None:
+            raise self.lost
+        with self._guard:
+            self._refresh(force)
+
+    def _refresh(self, force: bool) -> None:
         if not force and time.monotonic() - self.last_beat < HEARTBEAT_S:
             return
         self.last_beat = time.monotonic()
@@ -180,10 +204,14 @@ class RunLock:
     def release(self) -> None:
         """Delete the lock if it is still ours; a failure is one warning line, never an error
         that would hide the one the run is ending with."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)  # one refresh in flight at most
         try:
-            held = _read(self.path)
-            if held is not None and held.get("token") == self.token:
-                backend(self.path).delete(str(self.path))
+            with self._guard:
+                held = _read(self.path)
+                if held is not None and held.get("token") == self.token:
+                    backend(self.path).delete(str(self.path))
         except Exception as err:
             print(f"warning: {self.path}: run-dir lock not released ({err}); delete it by hand", flush=True)
 
