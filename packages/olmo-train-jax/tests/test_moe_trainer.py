@@ -159,3 +159,34 @@ def test_bad_expert_meshes_are_refused_in_one_line(mixture, tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "jax.mesh.expert=2" in lines[0] and "dense" in lines[0], done.stderr
     assert not run_dir.exists()
+
+
+def _step_jaxpr(moe_gemm: str) -> str:
+    """The printed jaxpr of the trainer's fused step for tiny-moe on this process's device,
+    built from a recipe with ``jax.moe_gemm``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from olmo_model.recipe import load_recipe
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.train import placed_step
+
+    spec = get_preset("tiny-moe")
+    recipe = load_recipe(None, ["--model=tiny-moe", "--train.precision=fp32", f"--jax.moe_gemm={moe_gemm}"])
+    fns, (params, opt) = placed_step(build_model(spec, seed=0, dtype=jnp.float32), spec, recipe)
+    tokens = np.ones((1, 2, 16), np.int32)  # [micro-steps, sequences, tokens]
+    batch = {"input_ids": tokens, "labels": tokens, "doc_ids": np.zeros_like(tokens)}
+    return str(jax.make_jaxpr(fns.fused)(params, opt, batch, np.float32(1e-3), np.int32(1)))
+
+
+def test_the_recipe_picks_the_grouped_gemm_and_refuses_mgpu_off_hopper(mixture, tmp_path, capsys):
+    # auto on CPU tiles (moe.gemm_backend); jax.moe_gemm=ragged puts lax.ragged_dot in the step.
+    assert "ragged_dot" not in _step_jaxpr("auto")
+    assert "ragged_dot" in _step_jaxpr("ragged")
+    run_dir = tmp_path / "mgpu"
+    capsys.readouterr()
+    args = ["--model=tiny-moe", "--jax.moe_gemm=mgpu", "--train.steps=1", f"--data.mixture={mixture}"]
+    assert main([*args, f"--run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "jax.moe_gemm=mgpu: its kernels need a Hopper GPU" in err, err
+    assert not run_dir.exists()

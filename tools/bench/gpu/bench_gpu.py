@@ -843,19 +843,14 @@ def _moe_model_torch_rows(args, spec) -> None:
 def _moe_model_jax_rows(args, spec) -> None:
     """The rows of one E: olmo-train-jax's ``placed_step`` (``step_functions``' fused step on a
     one-device mesh: jitted, parameters and AdamW state donated), ``jax.remat`` and
-    ``jax.attention`` from the flags, ``moe.routing`` per row. ``--gemm`` other than ``auto``:
-    the trainer has no recipe knob for the grouped GEMM (``moe.gemm_backend`` decides), so for
-    those rows this process binds the name ``expert_parallel.local_experts``, which the
-    trainer's one-device expert path calls, to ``moe.local_experts`` with that backend, for the
-    duration of the row."""
-    import functools
+    ``jax.attention`` from the flags, ``moe.routing`` per row, ``--gemm`` as the recipe's
+    ``jax.moe_gemm`` (auto: ``moe.gemm_backend``'s choice)."""
     import gc
 
     import jax
     import jax.numpy as jnp
 
     from olmo_model.recipe import load_recipe
-    from olmo_train_jax import expert_parallel
     from olmo_train_jax import moe as jax_moe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step
@@ -882,11 +877,9 @@ def _moe_model_jax_rows(args, spec) -> None:
                     f"--jax.remat={args.remat}",
                     f"--jax.attention={args.attention}",
                     f"--moe.routing={routing}",
+                    f"--jax.moe_gemm={gemm}",
                 ],
             )
-            original = expert_parallel.local_experts
-            if gemm != "auto":
-                expert_parallel.local_experts = functools.partial(jax_moe.local_experts, gemm=gemm)
             try:
                 model = build_model(spec, seed=0, dtype=dtype, remat=args.remat, attention=args.attention)
                 fns, carry = placed_step(model, spec, recipe)
@@ -915,8 +908,6 @@ def _moe_model_jax_rows(args, spec) -> None:
                 row.update(remat=args.remat, attention=args.attention, precision=args.precision, jax=jax.__version__)
             except Exception as err:  # noqa: BLE001 - one backend or routing failing must not hide the others
                 row = {**head, "error": f"{type(err).__name__}: {str(err)[:400]}"}
-            finally:
-                expert_parallel.local_experts = original
             _print_row(row)
             fns = carry = None  # the row's arrays go before the next row builds its own
             last = {}

@@ -143,6 +143,8 @@ class JaxSection(_Section):
     remat: Literal["none", "block", "save_dots"] = "none"  # recompute in backward: none, block, save_dots
     # auto: cuDNN's fused flash attention on GPU (bf16, no document masking), XLA elsewhere
     attention: Literal["auto", "xla", "cudnn"] = "auto"
+    # MoE grouped GEMM: auto (tiled on CPU, Mosaic GPU kernels on Hopper, ragged_dot on TPU), or one of them
+    moe_gemm: Literal["auto", "ragged", "tiled", "mgpu"] = "auto"
     distributed: bool = False  # join a multi-process job (TPU VM / Slurm detected); implied by the three keys below
     coordinator_address: str | None = None  # HOST:PORT of process 0; null: $JAX_COORDINATOR_ADDRESS or detected
     num_processes: int | None = Field(None, gt=0)  # processes in the job; null: $JAX_NUM_PROCESSES or detected

@@ -57,7 +57,16 @@ def expert_partition_spec(path: tuple[str, ...], shape: tuple[int, ...]) -> P | 
 
 
 def _ep_local(
-    x, experts, weights, w: ExpertWeights, *, ep: int, token_axes: tuple[str, ...], mxfp8: bool, platform: str
+    x,
+    experts,
+    weights,
+    w: ExpertWeights,
+    *,
+    ep: int,
+    token_axes: tuple[str, ...],
+    mxfp8: bool,
+    platform: str,
+    gemm: str = "auto",
 ):
     """The per-device body of the expert-parallel routed experts (module docstring, 1-4)."""
     n_tokens, k = experts.shape
@@ -80,7 +89,7 @@ def _ep_local(
     recv_ids = jax.lax.all_to_all(send_ids.reshape(ep * n_assign), EXPERT_AXIS, 0, 0, tiled=True)
 
     recv_order, sizes = sort_by_expert(recv_ids, local_experts_n)
-    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8, platform=platform)
+    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8, gemm=gemm, platform=platform)
     outputs = jnp.zeros_like(computed).at[recv_order].set(computed)
     back = jax.lax.all_to_all(outputs, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, n_assign, d)
 
@@ -88,9 +97,9 @@ def _ep_local(
     return combine(ys, weights), jax.lax.psum(jnp.sum(sizes), token_axes)
 
 
-def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
+def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False, gemm: str = "auto") -> ExpertsFn:
     """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis
-    (``mxfp8``: the MXFP8 emulation of ``moe.grouped_swiglu``).
+    (``mxfp8``: the MXFP8 emulation of ``moe.grouped_swiglu``; ``gemm``: its grouped GEMM).
     Without one (or with size 1) there is no all-to-all: each device computes its own
     tokens with all experts, which is still what a data-parallel mesh wants, since the
     global-view ``local_experts`` would sort the tokens of every device together."""
@@ -118,9 +127,11 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
                 f"mesh axes {token_axes}; make batch x sequence a multiple of {token_shards}"
             )
         if ep == 1:
-            body = functools.partial(_local_with_count, token_axes=token_axes, mxfp8=mxfp8, platform=platform)
+            body = functools.partial(
+                _local_with_count, token_axes=token_axes, mxfp8=mxfp8, platform=platform, gemm=gemm
+            )
         else:
-            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8, platform=platform)
+            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8, platform=platform, gemm=gemm)
         # ignore: the NamedTuple as a pytree of PartitionSpecs, mirroring the weights it shards.
         expert_w = ExpertWeights(expert_split, expert_split, expert_split)  # type: ignore[arg-type]
         return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P()))(
@@ -131,16 +142,25 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False) -> ExpertsFn:
 
 
 def _local_with_count(
-    x, experts, weights, w: ExpertWeights, *, token_axes: tuple[str, ...], mxfp8: bool, platform: str
+    x,
+    experts,
+    weights,
+    w: ExpertWeights,
+    *,
+    token_axes: tuple[str, ...],
+    mxfp8: bool,
+    platform: str,
+    gemm: str = "auto",
 ):
-    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8, platform=platform)
+    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8, gemm=gemm, platform=platform)
     return out, jax.lax.psum(computed, token_axes)
 
 
-def apply_expert_parallel(model: OlmoModel, mesh: Mesh, *, mxfp8: bool = False) -> None:
+def apply_expert_parallel(model: OlmoModel, mesh: Mesh, *, mxfp8: bool = False, gemm: str = "auto") -> None:
     """Make ``model``'s MoE layers run their routed experts under ``mesh`` (over its expert
-    axis when it has one; ``mxfp8``: emulated MXFP8 expert matmuls); call before
-    ``nnx.split`` so the graphdef carries it."""
+    axis when it has one; ``mxfp8``: emulated MXFP8 expert matmuls; ``gemm``: the grouped
+    GEMM, ``moe.grouped_swiglu``'s, the recipe's ``jax.moe_gemm``); call before ``nnx.split``
+    so the graphdef carries it."""
     if model.spec.moe is None:
         raise ValueError(f"spec '{model.spec.name}' has no moe section; expert parallelism needs an MoE spec")
     ep = mesh.shape.get(EXPERT_AXIS, 1)
@@ -149,4 +169,4 @@ def apply_expert_parallel(model: OlmoModel, mesh: Mesh, *, mxfp8: bool = False) 
             f"moe.n_experts={model.spec.moe.n_experts} is not divisible by the expert mesh axis ({ep}); "
             "choose jax.mesh.expert among the divisors of n_experts"
         )
-    model.experts_fn = expert_parallel_experts(mesh, mxfp8=mxfp8)
+    model.experts_fn = expert_parallel_experts(mesh, mxfp8=mxfp8, gemm=gemm)

@@ -50,9 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_model import MoESpec
+from olmo_model import ModelSpec, MoESpec
 from olmo_model.moe import E4M3_MAX, MX_BLOCK, check_routing, moe_train_metrics
 from olmo_model.moe import aux_loss as weighted_aux_loss
+from olmo_model.recipe import RecipeError
 
 from .layers import linear, swiglu_down
 
@@ -258,15 +259,31 @@ def gemm_backend(dtype, d_in: int, d_hidden: int, platform: str | None = None) -
     platform = platform or jax.default_backend()
     if platform == "cpu":
         return "tiled"
-    if (
-        platform == "gpu"
-        and _is_hopper()
-        and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-        and d_in % MGPU_ALIGN == 0
-        and d_hidden % MGPU_ALIGN == 0
-    ):
+    if mgpu_unsupported(dtype, d_in, d_hidden, platform) is None:
         return "mgpu"
     return "ragged"
+
+
+def mgpu_unsupported(dtype, d_in: int, d_hidden: int, platform: str) -> str | None:
+    """Why JAX's Mosaic GPU grouped-GEMM kernels cannot run the experts here; None if they can."""
+    if platform != "gpu" or not _is_hopper():
+        return f"its kernels need a Hopper GPU (the step is compiled for {platform})"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"its kernels take bf16 or fp16, not {jnp.dtype(dtype).name} (train.precision)"
+    if d_in % MGPU_ALIGN or d_hidden % MGPU_ALIGN:
+        return f"d_model={d_in} and moe.expert_hidden={d_hidden} must be multiples of {MGPU_ALIGN}"
+    return None
+
+
+def check_gemm(gemm: str, spec: ModelSpec, precision: str, platform: str) -> None:
+    """Refuse ``jax.moe_gemm=mgpu`` where its kernels cannot run, in one line, before anything
+    is written (the other backends run everywhere)."""
+    if gemm != "mgpu" or spec.moe is None:
+        return
+    dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    why = mgpu_unsupported(dtype, spec.d_model, spec.moe.expert_hidden, platform)
+    if why is not None:
+        raise RecipeError(f"jax.moe_gemm=mgpu: {why}; use jax.moe_gemm=auto")
 
 
 def _is_hopper() -> bool:

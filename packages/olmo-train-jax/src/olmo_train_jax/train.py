@@ -69,7 +69,7 @@ from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
 from .hf_adapter import initial_params, model_from_hf, validate_hf
 from .model import OlmoModel, build_model
-from .moe import MoEStats, aux_loss, moe_metrics
+from .moe import MoEStats, aux_loss, check_gemm, moe_metrics
 
 FRAMEWORK = "jax"
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (kept for parity).
@@ -360,7 +360,7 @@ def for_mesh(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh: jax.shardi
     model.hidden_sharding = NamedSharding(mesh, sharding.hidden_spec(mesh))
     model.context = sharding.context_setup(mesh, spec)  # sequence split over the context axis
     if spec.moe is not None:
-        apply_expert_parallel(model, mesh, mxfp8=recipe.moe.mxfp8)
+        apply_expert_parallel(model, mesh, mxfp8=recipe.moe.mxfp8, gemm=recipe.jax.moe_gemm)
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     tx = make_optimizer(params, recipe)
@@ -436,6 +436,7 @@ def train(recipe: Recipe) -> RunPath:
             check_spec=partial(sharding.check_mesh_for_spec, mesh),
         )
         sharding.check_mesh_for_sequence(mesh, plan.sequence_length)
+        check_gemm(recipe.jax.moe_gemm, plan.spec, recipe.train.precision, mesh.devices.flat[0].platform)
         init_tensors = None
         if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
             from safetensors.numpy import load_file
