@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cli_checks import refused
 
 from olmo_tools.convert import main as convert_main
 
@@ -41,12 +42,7 @@ def checkpoint(tmp_path_factory, run_helpers) -> Path:
 
 
 def fails(capsys, argv: list[str], *needles: str) -> None:
-    capsys.readouterr()
-    assert convert_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
+    refused(convert_main, capsys, argv, *needles)
 
 
 def test_a_flipped_byte_source_is_refused_before_anything_is_written(checkpoint, tmp_path, capsys):

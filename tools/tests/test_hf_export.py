@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_checks import refused
 
 from olmo_model import get_preset
 from olmo_tools.convert import main as convert_main
@@ -243,12 +244,7 @@ def test_torch_and_hf_convert_both_ways_without_jax(checkpoint, export, sample_t
 
 
 def fails(capsys, argv: list[str], *needles: str) -> None:
-    capsys.readouterr()
-    assert convert_main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for needle in needles:
-        assert needle in err, err
+    refused(convert_main, capsys, argv, *needles)
 
 
 def test_wrong_sources_and_tokenizers_are_one_line_errors_and_write_nothing(

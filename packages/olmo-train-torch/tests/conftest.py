@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cli_checks
 import numpy as np
 import pytest
 from ranks import run_cli_forked
@@ -149,12 +150,7 @@ def refused(capsys, args: list[str], *expected: str) -> None:
     """``olmo-train-torch ARGS`` in this process exits 2 with one stderr line holding ``expected``."""
     from olmo_train_torch.cli import main
 
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    for word in expected:
-        assert word in err, err
+    cli_checks.refused(main, capsys, args, *expected)
 
 
 class Harness:
