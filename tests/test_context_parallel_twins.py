@@ -13,12 +13,10 @@ bound: CP only reorders sums), and within 1e-4 of each other.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ranks import run_cli_launched
 
 from olmo_data import open_training_mixture
 from olmo_data.digest import batch_digest
@@ -43,17 +41,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(framework: str, run_dir: Path, context: int) -> dict[int, float]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu")
     args = [*RECIPE, f"--run_dir={run_dir}"]
     if framework == "torch":
         args += ["--torch.parallel=fsdp", f"--torch.context_parallel={context}"]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        command += ["-m", "olmo_train_torch", *args]
     else:
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-        mesh = ["--jax.mesh.data=1", "--jax.mesh.context=2"] if context == 2 else ["--jax.mesh.data=2"]
-        command = [sys.executable, "-m", "olmo_train_jax", *args, *mesh]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        args += ["--jax.mesh.data=1", "--jax.mesh.context=2"] if context == 2 else ["--jax.mesh.data=2"]
+    done = run_cli_launched(framework, args, 2, timeout=600)  # 2 torchrun ranks, or 2 JAX devices
     assert done.returncode == 0, done.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
 

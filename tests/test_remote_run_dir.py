@@ -15,13 +15,12 @@ s3:// (staged locally, then uploaded) in the resume test.
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from ranks import run_cli_launched
 
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
@@ -97,17 +96,8 @@ def trainer_process(
 ) -> subprocess.CompletedProcess:
     """The trainer's CLI in a fresh process (the environment: this test's, pointing at the store);
     ``ranks`` torchrun processes for torch, simulated CPU devices for JAX."""
-    command = [sys.executable, "-m", f"olmo_train_{framework}", *args]
-    if hook is not None:
-        command = [sys.executable, str(ROOT / "tests" / "support" / "kill_during_checkpoint.py"), *hook, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
-    if ranks > 1 and framework == "torch":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-        command += ["-m", "olmo_train_torch", *args]
-    if ranks > 1 and framework == "jax":
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
-    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    return out
+    entry = None if hook is None else [str(ROOT / "tests" / "support" / "kill_during_checkpoint.py"), *hook]
+    return run_cli_launched(framework, args, ranks, entry=entry, timeout=300)
 
 
 @pytest.mark.parametrize("framework, scheme", [("torch", "s3"), ("jax", "gs")])

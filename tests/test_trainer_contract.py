@@ -31,10 +31,8 @@ import hashlib
 import importlib
 import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_checks import refused
-from ranks import run_cli_forked
+from ranks import run_cli_forked, run_cli_launched
 
 from olmo_data import load_mixture
 from olmo_data.digest import batch_digest
@@ -120,12 +118,8 @@ def run_cli(framework: str, args: list[str], ranks: int = 1, kill_after: int | N
         return run_cli_forked("jax", args, env=env, timeout=900, kill_after=kill_after)
     if ranks == 1:  # one torch process, forked the same way; the elastic test's two ranks: torchrun
         return run_cli_forked("torch", args, env={"OMP_NUM_THREADS": "1"}, timeout=900, kill_after=kill_after)
-    entry = ["-m", "olmo_train_torch"] if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the thread count the in-process runs use (one_torch_thread)
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
-    return subprocess.run(
-        [sys.executable, *launcher, *entry, *args], env=env, capture_output=True, text=True, timeout=900
-    )
+    entry = None if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
+    return run_cli_launched("torch", args, ranks, entry=entry)  # one intra-op thread, as one_torch_thread
 
 
 def check_ok(done: subprocess.CompletedProcess) -> None:
