@@ -17,9 +17,9 @@ against the same job as 1 process x 8 devices.
   user namespaces are not available) is refused at start by both, with the documented line,
   and left as it was; so is a mixture that only process 1 cannot read.
 
-The runs share a persistent compilation cache: a cached executable is the compiled program
-itself, so the bitwise comparison holds, and the runs skip recompiling what an earlier one
-compiled. The mixture has no held-out source, so no run compiles an evaluation step.
+The runs share the test session's persistent compilation cache (the root conftest.py): a
+cached executable is the compiled program itself, so the bitwise comparison holds, and the runs
+skip recompiling what an earlier one compiled. The mixture has no held-out source, so no run compiles an evaluation step.
 
     uv run --frozen pytest -q packages/olmo-train-jax/tests/test_multihost.py
 """
@@ -88,9 +88,9 @@ sys.exit(main(sys.argv[1:]))
 # ---- launching -----------------------------------------------------------------------------
 
 
-def _clean_env(devices: int, cache: Path) -> dict[str, str]:
+def _clean_env(devices: int) -> dict[str, str]:
     """This machine's environment without any job it may itself run in (a CI job under Slurm),
-    with ``devices`` simulated CPU devices and the shared compilation cache."""
+    with ``devices`` simulated CPU devices (the session's compilation cache comes with it)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -98,8 +98,6 @@ def _clean_env(devices: int, cache: Path) -> dict[str, str]:
     }
     env.update(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     return env
 
@@ -115,13 +113,13 @@ class Job:
     recipe keys) or "slurm" (a Slurm-like environment for JAX's own detection). ``entries``
     replaces a process's ``-m olmo_train_jax``; ``wrap`` prefixes its command line."""
 
-    def __init__(self, args, logs: Path, cache: Path, how="env", entries=None, wrap=None, extra=None):
+    def __init__(self, args, logs: Path, how="env", entries=None, wrap=None, extra=None):
         port = _free_port()
         self.logs = [logs / f"process{i}.log" for i in range(2)]
         logs.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen] = []
         for i in range(2):
-            env = _clean_env(4, cache)
+            env = _clean_env(4)
             keys: list[str] = []
             if how == "env":
                 env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i))
@@ -161,11 +159,11 @@ class Job:
         return "\n".join(f"--- process {i}:\n" + self.log(i)[-2500:] for i in range(2))
 
 
-def one_process(args: list[str], cache: Path) -> subprocess.CompletedProcess:
+def one_process(args: list[str]) -> subprocess.CompletedProcess:
     """The same job as 1 process x 8 devices: the reference."""
     return subprocess.run(
         [sys.executable, "-m", "olmo_train_jax", *args],
-        env=_clean_env(8, cache),
+        env=_clean_env(8),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
@@ -193,11 +191,6 @@ def assert_close(want: dict[int, dict], got: dict[int, dict], steps) -> None:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("jax-cache")
-
-
-@pytest.fixture(scope="module")
 def mixture(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mixture")
     rng = np.random.default_rng(0)
@@ -218,18 +211,18 @@ def runs(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(mixture, runs, cache) -> Path:
+def reference(mixture, runs) -> Path:
     run_dir = runs / "one-process"
-    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], cache)
+    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "process 0 of 1: local devices [0, 1, 2, 3, 4, 5, 6, 7]" in done.stdout
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def two_processes(mixture, runs, cache) -> tuple[Path, Job]:
+def two_processes(mixture, runs) -> tuple[Path, Job]:
     run_dir = runs / "two-processes"
-    job = Job([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], runs / "logs-dp", cache)
+    job = Job([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], runs / "logs-dp")
     assert job.finish() == [0, 0], job.tails()
     return run_dir, job
 
@@ -257,11 +250,9 @@ def test_data_fsdp_over_two_processes_follows_one_process(reference, two_process
     assert got[1]["mfu_peak"].startswith("measured cpu fp32 matmul")
 
 
-def test_tensor_axis_across_processes_reads_the_same_rows_on_both(mixture, runs, cache, reference):
+def test_tensor_axis_across_processes_reads_the_same_rows_on_both(mixture, runs, reference):
     run_dir = runs / "tensor"
-    job = Job(
-        [*DENSE, *TENSOR, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], runs / "logs-tensor", cache, "keys"
-    )
+    job = Job([*DENSE, *TENSOR, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], runs / "logs-tensor", "keys")
     assert job.finish() == [0, 0], job.tails()
     for i in range(2):  # one data-parallel shard, held by devices of both processes
         assert f"process {i} of 2:" in job.log(i) and "reads data-parallel shard(s) [0] of 1" in job.log(i)
@@ -269,11 +260,11 @@ def test_tensor_axis_across_processes_reads_the_same_rows_on_both(mixture, runs,
     assert_close(records(reference), records(run_dir), range(1, STEPS + 1))
 
 
-def test_expert_axis_across_processes_under_slurm_detection(mixture, runs, cache):
+def test_expert_axis_across_processes_under_slurm_detection(mixture, runs):
     one, two = runs / "moe-one", runs / "moe-two"
-    done = one_process([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={one}"], cache)
+    done = one_process([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={one}"])
     assert done.returncode == 0, done.stderr[-3000:]
-    job = Job([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={two}"], runs / "logs-moe", cache, "slurm")
+    job = Job([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={two}"], runs / "logs-moe", "slurm")
     assert job.finish() == [0, 0], job.tails()
     assert "mesh data=1 x fsdp=1 x expert=8 x tensor=1 over 8 cpu device(s) in 2 process(es)" in job.log(1)
     want, got = records(one), records(two)
@@ -286,13 +277,11 @@ def test_expert_axis_across_processes_under_slurm_detection(mixture, runs, cache
 # ---- failures ------------------------------------------------------------------------------
 
 
-def test_a_process_killed_after_a_checkpoint_stops_the_other_then_both_resume(
-    mixture, runs, cache, reference, two_processes
-):
+def test_a_process_killed_after_a_checkpoint_stops_the_other_then_both_resume(mixture, runs, reference, two_processes):
     straight, _ = two_processes
     run_dir, single = runs / "killed", runs / "killed-then-one-process"
     args = [*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
-    job = Job(args, runs / "logs-killed", cache, entries={1: ["-c", DIE_AFTER_CHECKPOINT]})
+    job = Job(args, runs / "logs-killed", entries={1: ["-c", DIE_AFTER_CHECKPOINT]})
     assert job.wait(1) == -signal.SIGKILL, job.tails()
     died = time.monotonic()
     # Process 0 waits in the next step's collectives until the coordination service (which
@@ -304,7 +293,7 @@ def test_a_process_killed_after_a_checkpoint_stops_the_other_then_both_resume(
     assert [s for s, _ in complete_checkpoints(run_dir)] == [CHECKPOINT]
     shutil.copytree(run_dir, single)
 
-    again = Job(args, runs / "logs-relaunched", cache)
+    again = Job(args, runs / "logs-relaunched")
     assert again.finish() == [0, 0], again.tails()
     assert "resumed from" in again.log(0)
     want, got = records(straight), records(run_dir)
@@ -314,7 +303,7 @@ def test_a_process_killed_after_a_checkpoint_stops_the_other_then_both_resume(
     ]  # bitwise
 
     # The 2-process checkpoint on 1 process x 8 devices (the process count is no part of the state).
-    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={single}"], cache)
+    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={single}"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
     assert_close(records(reference), records(single), range(CHECKPOINT + 1, STEPS + 1))
@@ -327,7 +316,7 @@ def _private_mount_works() -> bool:
         return False
 
 
-def test_a_run_dir_the_other_process_cannot_see_is_refused_at_start(mixture, runs, cache):
+def test_a_run_dir_the_other_process_cannot_see_is_refused_at_start(mixture, runs):
     hosts = runs / "own-disks"
     hosts.mkdir()
     run_dir = hosts / "run"
@@ -335,10 +324,10 @@ def test_a_run_dir_the_other_process_cannot_see_is_refused_at_start(mixture, run
     if _private_mount_works():
         # Process 1 sees the same path on a disk of its own, as on a TPU pod's hosts.
         mount = f'mount -t tmpfs tmpfs "{hosts}" && exec "$0" "$@"'
-        job = Job(args, runs / "logs-own-disks", cache, wrap={1: ["unshare", "-rm", "sh", "-c", mount]})
+        job = Job(args, runs / "logs-own-disks", wrap={1: ["unshare", "-rm", "sh", "-c", mount]})
     else:
         own = runs / "own-disk-1" / "run"
-        job = Job(args, runs / "logs-own-disks", cache, extra={1: [f"--run_dir={own}"]})
+        job = Job(args, runs / "logs-own-disks", extra={1: [f"--run_dir={own}"]})
     assert job.finish() == [2, 2], job.tails()
     for i in range(2):
         lines = [line for line in job.log(i).splitlines() if line.startswith("olmo-train-jax: error:")]
@@ -347,10 +336,10 @@ def test_a_run_dir_the_other_process_cannot_see_is_refused_at_start(mixture, run
     assert not run_dir.exists()  # the check created it for its marker, and removed both
 
 
-def test_input_only_one_process_cannot_read_stops_both_before_writing(mixture, runs, cache):
+def test_input_only_one_process_cannot_read_stops_both_before_writing(mixture, runs):
     run_dir = runs / "bad-on-one"
     args = [*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
-    job = Job(args, runs / "logs-bad-on-one", cache, extra={1: [f"--data.mixture={runs / 'missing.yaml'}"]})
+    job = Job(args, runs / "logs-bad-on-one", extra={1: [f"--data.mixture={runs / 'missing.yaml'}"]})
     assert job.finish() == [2, 2], job.tails()
     assert "olmo-train-jax: error: process(es) [1] of 2 stopped at start-up" in job.log(0)
     assert "missing.yaml: mixture file not found" in job.log(1)

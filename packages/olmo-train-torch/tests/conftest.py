@@ -5,9 +5,6 @@ run the real trainer entry point (one process, or torchrun with gloo) in a subpr
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import cli_checks
@@ -17,7 +14,6 @@ from ranks import run_cli_forked
 
 SEQ = 64
 GLOBAL_BATCH = 16  # sequences; divides over 1, 2 and 4 ranks
-KILL_SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "support" / "kill_after_checkpoint.py"
 BASE_ARGS = [
     "--model=tiny",
     f"--train.global_batch_tokens={SEQ * GLOBAL_BATCH}",
@@ -76,31 +72,13 @@ def run_trainer(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     kill_after: int | None = None,
-    torchrun: bool = False,
 ):
     """Run olmo-train-torch's entry point (``cli.main``) as one process or ``nproc`` gloo ranks
     with torchrun's environment, forked with torch already imported (tests/support/ranks.py
-    ``run_cli_forked``); ``torchrun=True``: ``python -m olmo_train_torch`` under real torchrun.
-    With ``kill_after`` rank 0 SIGKILLs itself right after the step-N checkpoint is committed
+    ``run_cli_forked``; real torchrun: the tests about the launch, ``run_cli_launched``). With
+    ``kill_after`` rank 0 SIGKILLs itself right after the step-N checkpoint is committed
     (tests/support/kill_after_checkpoint.py)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if not torchrun:
-        return run_cli_forked("torch", args, nproc, full_env, timeout, kill_after)
-    entry = ["-m", "olmo_train_torch"] if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
-    if nproc == 1:
-        cmd = [sys.executable, *entry, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--standalone",
-            *entry,
-            *args,
-        ]
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return run_cli_forked("torch", args, nproc, {"OMP_NUM_THREADS": "1", **(env or {})}, timeout, kill_after)
 
 
 def train_lines(run_dir: Path) -> list[dict]:
