@@ -115,14 +115,12 @@ class MixtureLoader:
     def read_plan(self, step: int) -> list[tuple[str, int, int]]:
         """(URL, offset, length) of the object-storage bytes that reading this loader's rows of
         global batch `step` fetches (`olmo_data.storage.window_ranges`); empty for local data."""
-        rows = self.global_batch_size // self.dp_size
         plan: list[tuple[str, int, int]] = []
         for r in self.dp_ranks:
-            first = step * self.global_batch_size + r * rows
             try:
-                source_ids, within = self.order.instances_at(np.arange(first, first + rows, dtype=np.int64))
+                source_ids, within = self.order.rank_instances(step, self.global_batch_size, r, self.dp_size)
             except RepetitionLimitError:
-                return []  # rank_slice raises it, naming the batch
+                return []  # batch_at's rank_slice raises it again, when the batch is read
             for s in np.unique(source_ids).tolist():
                 source = self.order.sources[s]
                 plan += window_ranges(source, within[source_ids == s], self.mixture.sequence_length)

@@ -303,8 +303,9 @@ class GlobalOrder:
         """The global batch at `step`: instances [step*B, (step+1)*B) of the order."""
         return self.rank_slice(step, batch_size, 0, 1)
 
-    def rank_slice(self, step: int, batch_size: int, dp_rank: int, dp_size: int) -> dict[str, np.ndarray]:
-        """Rows [r*B/R, (r+1)*B/R) of global batch `step` (only those rows are read)."""
+    def rank_instances(self, step: int, batch_size: int, dp_rank: int, dp_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source id, instance within source) of rows [r*B/R, (r+1)*B/R) of global batch `step`;
+        raises RepetitionLimitError naming the batch if a row is beyond its source's max_repetition."""
         if step < 0 or batch_size <= 0:
             raise ValueError(f"need step >= 0 and global batch size > 0, got step={step}, batch={batch_size}")
         if dp_size <= 0 or batch_size % dp_size:
@@ -317,7 +318,10 @@ class GlobalOrder:
         rows = batch_size // dp_size
         first = step * batch_size + dp_rank * rows
         try:
-            source, within = self.instances_at(np.arange(first, first + rows, dtype=np.int64))
+            return self.instances_at(np.arange(first, first + rows, dtype=np.int64))
         except RepetitionLimitError as e:
             raise RepetitionLimitError(f"global batch {step}: {e}") from None
-        return self.read_instances(source, within)
+
+    def rank_slice(self, step: int, batch_size: int, dp_rank: int, dp_size: int) -> dict[str, np.ndarray]:
+        """Rows [r*B/R, (r+1)*B/R) of global batch `step` (only those rows are read)."""
+        return self.read_instances(*self.rank_instances(step, batch_size, dp_rank, dp_size))
