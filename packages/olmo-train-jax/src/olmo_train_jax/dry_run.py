@@ -56,7 +56,6 @@ from olmo_run.dry_run import DryRunReport
 
 from . import sharding, train
 from .model import build_model
-from .moe import check_gemm
 
 # Kinds XLA:TPU compiles for here: torus dimensions of the topology name (3D: v5p and tpu7x; 2D: v6e).
 TPU_TOPOLOGY_DIMS = {"v5p": 3, "v6e": 2, "tpu7x": 3}
@@ -332,9 +331,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
     started = time.perf_counter()
     topology, devices = topology_devices(peak.kind, count)
     mesh = sharding.make_mesh(recipe.jax.mesh, devices)
-    sharding.check_mesh_for_spec(mesh, spec)
-    sharding.check_mesh_for_sequence(mesh, seq)
-    check_gemm(recipe.jax.moe_gemm, spec, recipe.train.precision, mesh.devices.flat[0].platform)
+    sharding.check_layout(mesh, recipe, spec, seq)
     cp = sharding.context_size(mesh)
     layout = batch_layout(recipe.global_batch_sequences(seq), sharding.dp_size(mesh), recipe.train.micro_batch_size)
 

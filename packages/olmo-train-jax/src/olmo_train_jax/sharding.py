@@ -70,6 +70,7 @@ from olmo_model.recipe import Recipe, RecipeError
 
 from .causal_attention import ContextSetup
 from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec
+from .moe import check_gemm
 
 CONTEXT_AXIS = "context"
 # In mesh order; the expert and context axes are present only when the recipe asks for more than
@@ -265,6 +266,15 @@ def context_layout(mesh: Mesh, sequence_length: int) -> ContextLayout | None:
 def check_mesh_for_sequence(mesh: Mesh, sequence_length: int) -> None:
     """Refuse a context degree the sequence cannot be split by (before anything is written)."""
     context_layout(mesh, sequence_length)
+
+
+def check_layout(mesh: Mesh, recipe: Recipe, spec: ModelSpec, sequence_length: int) -> None:
+    """Every check of the recipe against the mesh, before anything is written (the trainer and
+    its dry run call this one function): the expert axis against the spec, the context degree
+    against the sequence, ``jax.moe_gemm`` against the devices and precision."""
+    check_mesh_for_spec(mesh, spec)
+    check_mesh_for_sequence(mesh, sequence_length)
+    check_gemm(recipe.jax.moe_gemm, spec, recipe.train.precision, mesh.devices.flat[0].platform)
 
 
 def to_context_order(x: np.ndarray, mesh: Mesh) -> np.ndarray:

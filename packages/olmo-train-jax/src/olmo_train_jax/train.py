@@ -69,7 +69,7 @@ from .checkpoint import Checkpointer, abstract_like, restore_state
 from .expert_parallel import apply_expert_parallel
 from .hf_adapter import initial_params, model_from_hf, validate_hf
 from .model import OlmoModel, build_model
-from .moe import MoEStats, aux_loss, check_gemm, moe_metrics
+from .moe import MoEStats, aux_loss, moe_metrics
 
 FRAMEWORK = "jax"
 # torch.nn.utils.clip_grad_norm_ adds this to the norm before dividing (kept for parity).
@@ -433,10 +433,8 @@ def train(recipe: Recipe) -> RunPath:
             dp_size=sharding.dp_size(mesh),
             loader_rank=sharding.process_batch_shards(mesh),
             loader_size=sharding.dp_size(mesh),
-            check_spec=partial(sharding.check_mesh_for_spec, mesh),
         )
-        sharding.check_mesh_for_sequence(mesh, plan.sequence_length)
-        check_gemm(recipe.jax.moe_gemm, plan.spec, recipe.train.precision, mesh.devices.flat[0].platform)
+        sharding.check_layout(mesh, recipe, plan.spec, plan.sequence_length)
         init_tensors = None
         if plan.init is not None and plan.init.is_hf:  # read and checked before anything is written
             from safetensors.numpy import load_file
