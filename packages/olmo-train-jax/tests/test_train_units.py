@@ -298,3 +298,48 @@ def test_mesh_errors_are_one_line():
         sharding.make_mesh({"data": -1, "expert": 2})
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     assert dict(mesh.shape) == {"data": 1, "fsdp": n, "tensor": 1}
+
+
+def test_all_gather_text_is_one_gather_when_every_text_fits_and_two_when_one_does_not(monkeypatch):
+    """Two processes played by two threads over a gather that stacks what both sent (the
+    collective's contract): both get both texts in process order. Short texts (a batch-digest
+    line) take one gather; a text longer than the slot makes both processes gather again."""
+    import threading
+
+    barrier = threading.Barrier(2)
+    sent: dict[int, list[np.ndarray]] = {0: [], 1: []}
+
+    def process_allgather(x):
+        me = int(threading.current_thread().name)
+        sent[me].append(np.array(x))
+        barrier.wait()
+        got = np.stack([sent[0][-1], sent[1][-1]])
+        barrier.wait()
+        return got
+
+    monkeypatch.setattr(sharding.multihost_utils, "process_allgather", process_allgather)
+
+    def both(texts: list[str]) -> list[list[str]]:
+        out: list[list[str]] = [[], []]
+
+        def one(i: int) -> None:
+            out[i] = sharding.all_gather_text(texts[i])
+
+        threads = [threading.Thread(target=one, args=(i,), name=str(i)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return out
+
+    for texts, gathers in (
+        (["0,1:" + "a" * 32, "2,3:" + "b" * 32], 1),
+        (["", "seen"], 1),
+        (["x" * sharding.TEXT_SLOT, ""], 1),  # exactly a slot still fits
+        (["y" * (sharding.TEXT_SLOT + 1), "short"], 2),
+        (["z" * 1000, "w" * 700], 2),
+    ):
+        sent[0].clear()
+        sent[1].clear()
+        assert both(texts) == [texts, texts]
+        assert len(sent[0]) == len(sent[1]) == gathers, texts

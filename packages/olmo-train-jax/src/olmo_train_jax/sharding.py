@@ -152,13 +152,24 @@ def initialize_distributed(recipe: Recipe) -> None:
         jax.config.update("jax_rocm_visible_devices", "all")
 
 
+TEXT_SLOT = 256  # bytes of text per process in all_gather_text's one gather (a digest line, a token)
+
+
 def all_gather_text(text: str) -> list[str]:
     """Every process's ``text`` (ASCII, any length), in process order, on every process: the
-    collective ``olmo_run.driver`` takes (the run-dir check, each process's batch-digest line).
-    Two gathers: the lengths, then every text zero-padded to the longest."""
+    collective ``olmo_run.driver`` takes (the run-dir check, each process's batch-digest line,
+    every log step). One gather of a fixed slot per process (its length, then up to
+    ``TEXT_SLOT`` bytes) when every text fits, as those do; when one does not, every process
+    sees so in the gathered lengths, and all gather again, every text zero-padded to the longest."""
     raw = np.frombuffer(text.encode("ascii"), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.int32(raw.size))).reshape(-1)
-    padded = np.zeros(max(int(lengths.max()), 1), np.uint8)
+    slot = np.zeros(4 + TEXT_SLOT, np.uint8)
+    slot[:4] = np.array([raw.size], "<i4").view(np.uint8)
+    slot[4 : 4 + min(raw.size, TEXT_SLOT)] = raw[:TEXT_SLOT]
+    slots = np.asarray(multihost_utils.process_allgather(slot)).reshape(-1, 4 + TEXT_SLOT)
+    lengths = slots[:, :4].copy().view("<i4").reshape(-1)
+    if int(lengths.max()) <= TEXT_SLOT:
+        return [bytes(row[4 : 4 + n]).decode("ascii") for row, n in zip(slots, lengths, strict=True)]
+    padded = np.zeros(int(lengths.max()), np.uint8)
     padded[: raw.size] = raw
     rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
     return [bytes(row[:n]).decode("ascii") for row, n in zip(rows, lengths, strict=True)]
