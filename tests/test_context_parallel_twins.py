@@ -3,7 +3,9 @@
 the four 32-token chunks make every sliding window reach into the other rank's chunk; document
 masking on), the same initial weights (both draw them from ``olmo_model.init`` for the seed), the
 embedded sample mixture, fp32, run by each trainer's real entry point at context degree 2:
-olmo-train-torch as two gloo processes (torchrun), olmo-train-jax on two simulated CPU devices.
+olmo-train-torch as two gloo processes (with torchrun's environment), olmo-train-jax on two
+simulated CPU devices. The runs are about agreement, not the launch: each is forked with the
+trainer imported (tests/support/ranks.py).
 
 Reference: each trainer's own CP=1 run of the same recipe, and the threshold the unsplit twins are
 held to (``olmo-parity train``: per-step |loss difference| <= 1e-4, tools/tests/test_train_parity.py).
@@ -16,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ranks import run_cli_launched
+from ranks import run_cli_forked
 
 from olmo_data import open_training_mixture
 from olmo_data.digest import batch_digest
@@ -44,9 +46,10 @@ def run(framework: str, run_dir: Path, context: int) -> dict[int, float]:
     args = [*RECIPE, f"--run_dir={run_dir}"]
     if framework == "torch":
         args += ["--torch.parallel=fsdp", f"--torch.context_parallel={context}"]
+        done = run_cli_forked("torch", args, 2, env={"OMP_NUM_THREADS": "1"}, timeout=600)  # 2 gloo ranks
     else:
         args += ["--jax.mesh.data=1", "--jax.mesh.context=2"] if context == 2 else ["--jax.mesh.data=2"]
-    done = run_cli_launched(framework, args, 2, timeout=600)  # 2 torchrun ranks, or 2 JAX devices
+        done = run_cli_forked("jax", args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
 

@@ -20,15 +20,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from ranks import run_cli_launched
+from ranks import run_cli_forked
 
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
 from olmo_model import fp32_mean_tolerance
 from olmo_model.runlog import complete_checkpoints, read_metrics, read_verified_meta
 from olmo_model.storage import URLPath, local_copy
-
-ROOT = Path(__file__).resolve().parents[1]
 
 pytest_plugins = ["object_store"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -92,12 +90,17 @@ TWO = {"torch": ["--torch.parallel=ddp"], "jax": ["--jax.mesh.data=2"]}
 
 
 def trainer_process(
-    framework: str, args: list[str], hook: list[str] | None = None, ranks: int = 1
+    framework: str, args: list[str], kill_during: int | None = None, ranks: int = 1
 ) -> subprocess.CompletedProcess:
-    """The trainer's CLI in a fresh process (the environment: this test's, pointing at the store);
-    ``ranks`` torchrun processes for torch, simulated CPU devices for JAX."""
-    entry = None if hook is None else [str(ROOT / "tests" / "support" / "kill_during_checkpoint.py"), *hook]
-    return run_cli_launched(framework, args, ranks, entry=entry, timeout=300)
+    """The trainer's CLI in a process of its own (tests/support/ranks.py: forked with the trainer
+    imported, its environment this test's, pointing at the store, so its storage clients are
+    its own); ``ranks`` gloo processes for torch, simulated CPU devices for JAX. With
+    ``kill_during`` it SIGKILLs itself before the step-N checkpoint commits
+    (tests/support/kill_during_checkpoint.py)."""
+    if framework == "jax":
+        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={ranks}"}
+        return run_cli_forked("jax", args, env=env, timeout=300, kill_during=kill_during)
+    return run_cli_forked("torch", args, ranks, env={"OMP_NUM_THREADS": "1"}, timeout=300, kill_during=kill_during)
 
 
 @pytest.mark.parametrize("framework, scheme", [("torch", "s3"), ("jax", "gs")])
@@ -108,7 +111,7 @@ def test_killed_during_a_checkpoint_write_resumes_bitwise(framework, scheme, req
     store = request.getfixturevalue("s3_store" if scheme == "s3" else "gcs_store")
     run = URLPath(store.url("runs/a"))
     args = [*ARGS, f"--run_dir={run}", "--checkpoint.keep=1"]
-    killed = trainer_process(framework, args, hook=[framework, str(STEPS)])
+    killed = trainer_process(framework, args, kill_during=STEPS)
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [s for s, _ in complete_checkpoints(run)] == [2]
     names = objects(run / "checkpoints")
@@ -171,9 +174,10 @@ def test_resume_from_the_bucket_after_an_uncommitted_save(framework, scheme, req
         read_verified_meta(run / "checkpoints" / f"step_{step:08d}")
 
     # Elastic, from the bucket: the same uncommitted step 4 and a fresh host, resumed by two
-    # processes (torch: torchrun, DDP) or on two devices (JAX: a data axis of 2). Steps 3 and 4
-    # see the same global batches (digests) and follow the local run within the reordering of
-    # the fp32 loss sum over the step's 8 x 64 tokens (fp32_mean_tolerance).
+    # processes (torch: DDP over gloo, with torchrun's environment) or on two devices (JAX: a
+    # data axis of 2). Steps 3 and 4 see the same global batches (digests) and follow the local
+    # run within the reordering of the fp32 loss sum over the step's 8 x 64 tokens
+    # (fp32_mean_tolerance).
     records = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
     fileio.delete(str(run / "checkpoints" / "step_00000004" / "meta.json"))
     shutil.rmtree(local_copy(run))

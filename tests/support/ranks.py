@@ -18,8 +18,15 @@ with the environment torchrun gives them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_A
 like torchrun, the first rank to fail stops the others. JAX: one process; the fork server
 imports JAX without starting a backend, so the child's ``XLA_FLAGS`` (its simulated device
 count) still apply, while other ``JAX_*`` settings are the fork server's (JAX reads them at
-import). The tests that are about the launch itself (the contract's elastic test, the JAX
-multi-process tests, remote run dirs) keep real launchers.
+import). Each run is its own process, so clients a run creates (object-storage clients and
+their settings from the environment) are that run's, as in a launched one.
+
+``start_forked(fn, *args, env=, out=)`` / ``run_forked`` run any module-level function of a
+test file that way, with exactly ``env`` as its environment (the JAX multi-process jobs: each
+process's coordinator or Slurm variables are read when the trainer starts JAX, not at import).
+
+The tests that are about the launch itself keep real launchers: the contract's elastic test
+(torchrun) and the JAX run-dir test whose second process runs in a mount namespace of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -42,6 +50,7 @@ from typing import Any
 PRELOAD = [
     "ranks",
     "kill_after_checkpoint",
+    "kill_during_checkpoint",
     "torch",
     "torch.distributed",
     "olmo_train_torch.train",
@@ -50,6 +59,7 @@ PRELOAD = [
     "olmo_train_jax.train",
     "olmo_train_jax.checkpoint",
     "olmo_train_jax.cli",
+    "matplotlib.pyplot",  # every run ends with its loss plot (olmo_model.runlog.plot_loss)
 ]
 
 _loaded: dict[str, ModuleType] = {}
@@ -96,18 +106,31 @@ def start_ranks(fn: Callable[..., None], nprocs: int, *args: Any) -> None:
     )
 
 
-def _cli_entry(
-    framework: str, argv: list[str], env: dict[str, str], kill_after: int | None, out: str, err: str
-) -> None:
-    """One process of ``run_cli_forked``: this run's environment, stdout/stderr to files, the CLI."""
+def _as_child(env: Mapping[str, str], out: str, err: str) -> None:
+    """A forked child's set-up: exactly ``env`` as its environment, no stdin, stdout and stderr
+    to the files ``out`` and ``err`` (one file when they are the same path)."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    for path, fd in ((out, 1), (err, 2)):
+    for path, fds in [(out, (1, 2))] if out == err else [(out, (1,)), (err, (2,))]:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)
+        for fd in fds:
+            os.dup2(target, fd)
         os.close(target)
     os.environ.clear()
     os.environ.update(env)
+
+
+def _cli_entry(
+    framework: str,
+    argv: list[str],
+    env: dict[str, str],
+    kill_after: int | None,
+    out: str,
+    err: str,
+    kill_during: int | None = None,
+) -> None:
+    """One process of ``run_cli_forked``: this run's environment, stdout/stderr to files, the CLI."""
+    _as_child(env, out, err)
     if framework == "torch" and env.get("OMP_NUM_THREADS"):
         import torch  # read OMP_NUM_THREADS at import, in the fork server: apply it here
 
@@ -116,7 +139,54 @@ def _cli_entry(
         import kill_after_checkpoint
 
         kill_after_checkpoint.install(framework, kill_after)
+    if kill_during is not None:  # the test-only entry point, run as its command line would
+        import kill_during_checkpoint
+
+        sys.argv = [kill_during_checkpoint.__file__, framework, str(kill_during), *argv]
+        sys.exit(kill_during_checkpoint.main())
     sys.exit(importlib.import_module(f"olmo_train_{framework}.cli").main(argv))
+
+
+def _call_entry(file: str, name: str, env: dict[str, str], out: str, err: str, args: tuple[Any, ...]) -> None:
+    """The child of ``start_forked``: set up as ``_as_child`` says, then exit with ``fn(*args)``."""
+    _as_child(env, out, err)
+    sys.exit(getattr(_module(file), name)(*args))
+
+
+def start_forked(
+    fn: Callable[..., Any], *args: Any, env: Mapping[str, str], out: Path, err: Path | None = None
+) -> multiprocessing.process.BaseProcess:
+    """Start ``fn(*args)`` (a module-level function of a test file, loaded in the child by path)
+    in a child of the fork server: the framework and the trainers imported, no JAX backend
+    started, so the child's ``XLA_FLAGS`` and the variables JAX or the trainer read when they
+    start (a coordinator, Slurm's) still apply. ``env`` is the child's whole environment; its
+    stdout and stderr go to ``out`` and ``err`` (``out`` when not given). Returns the started
+    process: its exit code is what ``fn`` returned, 1 for an exception, minus the signal for a
+    signal. A forked child leaves with ``os._exit``, past ``atexit``: what ``fn`` needs done at
+    exit (``jax.distributed.shutdown``) it does itself."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    call = (inspect.getfile(fn), fn.__name__, dict(env), str(out), str(err or out), args)
+    proc = multiprocessing.get_context("forkserver").Process(target=_call_entry, args=call)
+    proc.start()
+    return proc
+
+
+def run_forked(
+    fn: Callable[..., Any],
+    *args: Any,
+    env: Mapping[str, str],
+    out: Path,
+    err: Path | None = None,
+    timeout: float = 900,
+) -> int:
+    """``start_forked`` and wait: the child's exit code (``TimeoutExpired`` after ``timeout`` s)."""
+    proc = start_forked(fn, *args, env=env, out=out, err=err)
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise subprocess.TimeoutExpired(fn.__name__, timeout)
+    return proc.exitcode
 
 
 def run_cli_forked(
@@ -126,13 +196,16 @@ def run_cli_forked(
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
     kill_after: int | None = None,
+    kill_during: int | None = None,
 ) -> subprocess.CompletedProcess:
     """``olmo-train-{framework} ARGS`` as one process or ``nproc`` torch ranks (the module docstring);
     with ``kill_after`` each rank SIGKILLs itself right after the step-N checkpoint commits
-    (tests/support/kill_after_checkpoint.py). Returns what ``subprocess.run`` would: the exit
-    status of the one process (negative for a signal), or torchrun's (0, or 1 when a rank
-    failed), and every rank's stdout and stderr, rank 0 first."""
+    (tests/support/kill_after_checkpoint.py), with ``kill_during`` right before it commits, all
+    its files written (tests/support/kill_during_checkpoint.py). Returns what ``subprocess.run``
+    would: the exit status of the one process (negative for a signal), or torchrun's (0, or 1
+    when a rank failed), and every rank's stdout and stderr, rank 0 first."""
     assert framework in ("jax", "torch") and (framework == "torch" or nproc == 1), (framework, nproc)
+    assert kill_after is None or kill_during is None, (kill_after, kill_during)
     multiprocessing.set_forkserver_preload(PRELOAD)
     ctx = multiprocessing.get_context("forkserver")
     base = {**os.environ, **(env or {})}
@@ -152,7 +225,9 @@ def run_cli_forked(
                     MASTER_PORT=str(port),
                 )
             out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
-            proc = ctx.Process(target=_cli_entry, args=(framework, list(args), rank_env, kill_after, out, err))
+            proc = ctx.Process(
+                target=_cli_entry, args=(framework, list(args), rank_env, kill_after, out, err, kill_during)
+            )
             proc.start()
             procs.append(proc)
             files.append((out, err))

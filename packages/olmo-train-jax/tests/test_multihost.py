@@ -17,6 +17,13 @@ against the same job as 1 process x 8 devices.
   user namespaces are not available) is refused at start by both, with the documented line,
   and left as it was; so is a mixture that only process 1 cannot read.
 
+Each process runs the trainer's own ``cli.main`` (what ``python -m olmo_train_jax`` runs), forked
+from the fork server of tests/support/ranks.py (``start_forked``): JAX and the trainer
+are imported there but no backend is started, so a process still takes its device count
+(XLA_FLAGS), its JAX_* or Slurm variables and its recipe keys when the trainer starts JAX, without
+paying the imports again. The run-dir test is the real launch: two ``python -m olmo_train_jax``
+processes, process 1 in a mount namespace of its own.
+
 The runs share the test session's persistent compilation cache (the root conftest.py): a
 cached executable is the compiled program itself, so the bitwise comparison holds, and the runs
 skip recompiling what an earlier one compiled. The mixture has no held-out source, so no run compiles an evaluation step.
@@ -37,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ranks import run_forked, start_forked
 from test_train import _documents
 
 from olmo_data import MixtureLoader, load_mixture
@@ -65,24 +73,6 @@ DP = ["--jax.mesh.data=4", "--jax.mesh.fsdp=2"]  # 2 sequences per device
 TENSOR = ["--jax.mesh.data=1", "--jax.mesh.tensor=8", "--train.micro_batch_size=8"]  # 2 micro-steps of 8
 EXPERT = ["--jax.mesh.data=1", "--jax.mesh.expert=8"]
 REFUSED = "put the run dir on a shared file system every host mounts at the same path, or use a remote URL"
-# Process 1 SIGKILLs itself as step CHECKPOINT + 1 starts, once process 0 has committed the
-# step-CHECKPOINT checkpoint (it waits for it, so that checkpoint is complete): a host lost
-# mid-run, with process 0 left waiting for it in that step's collectives.
-DIE_AFTER_CHECKPOINT = f"""
-import os, signal, sys, time
-from olmo_model.runlog import complete_checkpoints
-from olmo_train_jax import train
-step = train.JaxTrainModule.train_step
-def die(self, local, n, lr, guard):
-    if n == {CHECKPOINT} + 1:
-        while {CHECKPOINT} not in [s for s, _ in complete_checkpoints(self.plan.run_dir)]:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return step(self, local, n, lr, guard)
-train.JaxTrainModule.train_step = die
-from olmo_train_jax.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
 
 
 # ---- launching -----------------------------------------------------------------------------
@@ -108,16 +98,57 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_after_checkpoint() -> None:
+    """Make this process SIGKILL itself as step CHECKPOINT + 1 starts, once process 0 has
+    committed the step-CHECKPOINT checkpoint (it waits for it, so that checkpoint is complete):
+    a host lost mid-run, with process 0 left waiting for it in that step's collectives."""
+    from olmo_train_jax import train
+
+    step = train.JaxTrainModule.train_step
+
+    def die(self, local, n, lr, guard):
+        if n == CHECKPOINT + 1:
+            while CHECKPOINT not in [s for s, _ in complete_checkpoints(self.plan.run_dir)]:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self, local, n, lr, guard)
+
+    train.JaxTrainModule.train_step = die
+
+
+def _trainer(argv: list[str], die: bool) -> int:
+    """A forked process's program (``ranks.start_forked``): the trainer's own ``cli.main``,
+    what ``python -m olmo_train_jax`` runs; with ``die``, after ``_die_after_checkpoint``."""
+    import jax
+
+    from olmo_train_jax.cli import main
+
+    if die:
+        _die_after_checkpoint()
+    try:
+        return main(argv)
+    finally:
+        # What JAX's atexit hook does at a real process's exit (a forked child leaves with
+        # os._exit, past atexit): leave the job, so that no process sees the other's end as a
+        # lost heartbeat.
+        if jax.distributed.is_initialized():
+            jax.distributed.shutdown()
+
+
 class Job:
     """Two processes of one job, started as ``how`` says: "env" (JAX_* variables), "keys" (the
-    recipe keys) or "slurm" (a Slurm-like environment for JAX's own detection). ``entries``
-    replaces a process's ``-m olmo_train_jax``; ``wrap`` prefixes its command line."""
+    recipe keys) or "slurm" (a Slurm-like environment for JAX's own detection). Forked from the
+    fork server, each with its own environment and running ``cli.main`` (what ``python -m
+    olmo_train_jax`` runs, without paying the imports again); with ``launched`` two real
+    ``python -m olmo_train_jax`` processes, and ``wrap`` prefixes a process's command line.
+    ``die`` (forked): process 1 dies after the step-CHECKPOINT checkpoint (``_die_after_checkpoint``)."""
 
-    def __init__(self, args, logs: Path, how="env", entries=None, wrap=None, extra=None):
+    def __init__(self, args, logs: Path, how="env", *, launched=False, die=False, wrap=None, extra=None):
+        assert launched or not wrap, "a wrapper needs a real launch"
         port = _free_port()
         self.logs = [logs / f"process{i}.log" for i in range(2)]
         logs.mkdir(parents=True, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []
         for i in range(2):
             env = _clean_env(4)
             keys: list[str] = []
@@ -136,38 +167,44 @@ class Job:
                     JAX_COORDINATOR_PORT=str(port),  # JAX's Slurm port is derived from the job id
                 )
                 keys = ["--jax.distributed=true"]
-            entry = (entries or {}).get(i, ["-m", "olmo_train_jax"])
-            cmd = [*(wrap or {}).get(i, []), sys.executable, *entry, *args, *keys, *(extra or {}).get(i, [])]
-            with open(self.logs[i], "w") as log:
-                self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            argv = [*args, *keys, *(extra or {}).get(i, [])]
+            if launched:
+                cmd = [*(wrap or {}).get(i, []), sys.executable, "-m", "olmo_train_jax", *argv]
+                with open(self.logs[i], "w") as log:
+                    self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+            else:
+                self.procs.append(start_forked(_trainer, argv, die and i == 1, env=env, out=self.logs[i]))
 
     def wait(self, i: int) -> int:
-        return self.procs[i].wait(timeout=TIMEOUT)
+        p = self.procs[i]
+        if isinstance(p, subprocess.Popen):
+            return p.wait(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+        if p.exitcode is None:
+            raise subprocess.TimeoutExpired(f"process {i}", TIMEOUT)
+        return p.exitcode
 
     def finish(self) -> list[int]:
         try:
             return [self.wait(i) for i in range(2)]
         finally:
             for p in self.procs:
-                if p.poll() is None:
+                if (p.poll() if isinstance(p, subprocess.Popen) else p.exitcode) is None:
                     p.kill()
 
     def log(self, i: int) -> str:
-        return self.logs[i].read_text()
+        return self.logs[i].read_text(errors="replace")
 
     def tails(self) -> str:
         return "\n".join(f"--- process {i}:\n" + self.log(i)[-2500:] for i in range(2))
 
 
-def one_process(args: list[str]) -> subprocess.CompletedProcess:
-    """The same job as 1 process x 8 devices: the reference."""
-    return subprocess.run(
-        [sys.executable, "-m", "olmo_train_jax", *args],
-        env=_clean_env(8),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+def one_process(args: list[str], logs: Path) -> subprocess.CompletedProcess:
+    """The same job as 1 process x 8 devices, forked like a Job's processes: the reference."""
+    logs.mkdir(parents=True, exist_ok=True)
+    out, err = logs / "stdout.log", logs / "stderr.log"
+    code = run_forked(_trainer, args, False, env=_clean_env(8), out=out, err=err, timeout=TIMEOUT)
+    return subprocess.CompletedProcess(args, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
 
 
 def records(run_dir: Path) -> dict[int, dict]:
@@ -213,7 +250,7 @@ def runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(mixture, runs) -> Path:
     run_dir = runs / "one-process"
-    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"])
+    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"], runs / "logs-one")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "process 0 of 1: local devices [0, 1, 2, 3, 4, 5, 6, 7]" in done.stdout
     return run_dir
@@ -262,7 +299,7 @@ def test_tensor_axis_across_processes_reads_the_same_rows_on_both(mixture, runs,
 
 def test_expert_axis_across_processes_under_slurm_detection(mixture, runs):
     one, two = runs / "moe-one", runs / "moe-two"
-    done = one_process([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={one}"])
+    done = one_process([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={one}"], runs / "logs-moe-one")
     assert done.returncode == 0, done.stderr[-3000:]
     job = Job([*MOE, *EXPERT, f"--data.mixture={mixture}", f"--run_dir={two}"], runs / "logs-moe", "slurm")
     assert job.finish() == [0, 0], job.tails()
@@ -281,7 +318,7 @@ def test_a_process_killed_after_a_checkpoint_stops_the_other_then_both_resume(mi
     straight, _ = two_processes
     run_dir, single = runs / "killed", runs / "killed-then-one-process"
     args = [*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
-    job = Job(args, runs / "logs-killed", entries={1: ["-c", DIE_AFTER_CHECKPOINT]})
+    job = Job(args, runs / "logs-killed", die=True)
     assert job.wait(1) == -signal.SIGKILL, job.tails()
     died = time.monotonic()
     # Process 0 waits in the next step's collectives until the coordination service (which
@@ -303,7 +340,7 @@ def test_a_process_killed_after_a_checkpoint_stops_the_other_then_both_resume(mi
     ]  # bitwise
 
     # The 2-process checkpoint on 1 process x 8 devices (the process count is no part of the state).
-    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={single}"])
+    done = one_process([*DENSE, *DP, f"--data.mixture={mixture}", f"--run_dir={single}"], runs / "logs-killed-one")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stdout
     assert_close(records(reference), records(single), range(CHECKPOINT + 1, STEPS + 1))
@@ -324,10 +361,10 @@ def test_a_run_dir_the_other_process_cannot_see_is_refused_at_start(mixture, run
     if _private_mount_works():
         # Process 1 sees the same path on a disk of its own, as on a TPU pod's hosts.
         mount = f'mount -t tmpfs tmpfs "{hosts}" && exec "$0" "$@"'
-        job = Job(args, runs / "logs-own-disks", wrap={1: ["unshare", "-rm", "sh", "-c", mount]})
+        job = Job(args, runs / "logs-own-disks", launched=True, wrap={1: ["unshare", "-rm", "sh", "-c", mount]})
     else:
         own = runs / "own-disk-1" / "run"
-        job = Job(args, runs / "logs-own-disks", extra={1: [f"--run_dir={own}"]})
+        job = Job(args, runs / "logs-own-disks", launched=True, extra={1: [f"--run_dir={own}"]})
     assert job.finish() == [2, 2], job.tails()
     for i in range(2):
         lines = [line for line in job.log(i).splitlines() if line.startswith("olmo-train-jax: error:")]
