@@ -6,8 +6,8 @@ attention (4 heads, 2 KV heads), sequence 128. At CP = 2 a chunk is 32 tokens, s
 shorter than a chunk (halo 1); at CP = 4 a chunk is 16 and a shard 32, so the window is longer
 than a chunk and shorter than a shard (halo 2, keys from two ranks). 128 = 4 x CP x 8 at CP = 4.
 
-One torchrun of 4 processes (this file run as a script, ``_worker``) does the in-process checks
-and writes what it measured to a JSON file the tests read:
+One run of 4 gloo processes (``_worker``, ranks from the fork server: tests/support/ranks.py) does
+the in-process checks and writes what it measured to a JSON file the tests read:
 
 - forward logits at the full length, reassembled from the ranks' shards, against
   ``olmo_model.reference.forward`` (CP = 4, and CP = 2 x data 2); with document masking against
@@ -33,13 +33,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ranks import start_ranks
 
 from olmo_model import get_preset
 from olmo_model.context import ContextLayout
@@ -85,10 +83,10 @@ def _batch(step: int, vocab: int) -> dict[str, np.ndarray]:
     return {"input_ids": ids, "labels": labels, "doc_ids": docs}
 
 
-# ---- the torchrun worker ------------------------------------------------------------------------
+# ---- the 4-rank worker --------------------------------------------------------------------------
 
 
-def _worker(out_path: str) -> None:
+def _worker(rank: int, port: int, out_path: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -99,9 +97,10 @@ def _worker(out_path: str) -> None:
     from olmo_train_torch.parallelize import Distributed, build_context, build_mesh
     from olmo_train_torch.train import make_optimizer, start_model, train_step
 
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    world = dist.get_world_size()
     spec = cp_spec()
     results: dict = {"forward": {}, "bytes": {}, "losses": {}}
 
@@ -201,10 +200,7 @@ def _worker(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("cp") / "results.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", __file__, str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"worker failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    start_ranks(_worker, 4, str(out))
     return json.loads(out.read_text())
 
 
@@ -306,7 +302,24 @@ def test_losses_follow_cp1_for_20_steps(measured, config, masking):
     assert max(diffs) <= TOL, diffs
 
 
-def test_activation_memory_falls_with_context_degree():
+def _activation_worker(rank: int, port: int, seq: int, out_path: str) -> None:
+    """The dry run's per-rank figures for CP = 1, 2, 4 (one sequence per data-parallel rank), as JSON."""
+    from olmo_model.recipe import Recipe
+    from olmo_train_torch.dry_run import dry_run
+
+    out = {}
+    for cp in (1, 2, 4):
+        recipe = Recipe(
+            model=cp_spec().model_dump(mode="json"),
+            train={"steps": 1, "sequence_length": seq, "global_batch_tokens": seq * 4 // cp, "precision": "fp32"},
+            torch={"context_parallel": cp},
+        )
+        r = dry_run(recipe, "h100", 4)
+        out[cp] = [r.per_device_batch, r.mesh.get("context", 1), r.memory_bytes["activations"]]
+    Path(out_path).write_text(json.dumps(out))
+
+
+def test_activation_memory_falls_with_context_degree(tmp_path):
     """Rank 0's activation memory for one fp32 training step of a 4,096-token sequence on 4 ranks
     (the dry run: FSDPMemTracker under FakeTensorMode on a fake process group), CP = 1, 2, 4, one
     sequence per data-parallel rank. Per-token activations divide by C; what does not is a global
@@ -314,30 +327,12 @@ def test_activation_memory_falls_with_context_degree():
     least halve the activations up to that: act(2C) <= act(C) / 2 + gathered K/V bytes."""
     seq = 4096
     spec = cp_spec()
-    # In a process of its own: a dry run leaves DTensor state (its fake 4-rank meshes) that a
-    # process forked from this one afterwards would inherit (test_meta_init starts ranks by fork).
-    code = textwrap.dedent(
-        f"""
-        import json
-        from olmo_model.recipe import Recipe
-        from olmo_train_torch.dry_run import dry_run
-        out = {{}}
-        for cp in (1, 2, 4):
-            recipe = Recipe(
-                model=json.loads({json.dumps(spec.model_dump_json())}),
-                train={{"steps": 1, "sequence_length": {seq}, "global_batch_tokens": {seq} * 4 // cp,
-                       "precision": "fp32"}},
-                torch={{"context_parallel": cp}},
-            )
-            r = dry_run(recipe, "h100", 4)
-            out[cp] = [r.per_device_batch, r.mesh.get("context", 1), r.memory_bytes["activations"]]
-        print(json.dumps(out))
-        """
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # In a process of its own (forked from the fork server): a dry run leaves DTensor state (its
+    # fake 4-rank meshes) that a process forked from this one afterwards would inherit.
+    out = tmp_path / "activations.json"
+    start_ranks(_activation_worker, 1, seq, str(out))
     acts = {}
-    for cp, (batch, context, activations) in json.loads(done.stdout.strip().splitlines()[-1]).items():
+    for cp, (batch, context, activations) in json.loads(out.read_text()).items():
         assert batch == 1 and context == int(cp)
         acts[int(cp)] = activations
     gathered_kv = 2 * seq * spec.kv_width * 4  # K and V of the whole sequence, fp32
@@ -405,7 +400,3 @@ def test_trainer_resumes_across_context_degrees(harness, tmp_path):
         assert ev.keys() == ev_want.keys() and ev
         for source in ev_want:
             assert abs(ev[source]["loss"] - ev_want[source]["loss"]) <= TOL, (run_dir.name, source)
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

@@ -67,10 +67,17 @@ def test_accumulation_reduces_every_micro_step_so_gradients_stay_sharded(capsys)
     assert report["memory_bytes"].get("unsharded_grads", 0) < full / 4
 
 
-def test_a_layout_that_does_not_fit_exits_1_with_the_reason(capsys):
-    """olmo3-7b on one GPU (no wrapper, ``MemTracker``): 16 bytes per parameter (117 GB) > 80 GiB."""
+def test_a_layout_that_does_not_fit_exits_1_with_the_reason(capsys, tmp_path):
+    """olmo3-32b's shapes cut to 10 layers on one GPU (no wrapper, ``MemTracker``): 5.9B parameters
+    at 16 bytes each (fp32 weights and gradients, AdamW's two moments: 88 GiB) > 80 GiB before any
+    activation. Ten layers rather than a whole preset: the refusal comes after the tracked step, whose
+    cost grows with the layers (ops x tracked modules), and the path to it is the same."""
+    spec = get_preset("olmo3-32b").replace(n_layers=10)
+    assert 16 * sum(math.prod(s) for s in hf_param_shapes(spec).values()) > 80 * GIB
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
     capsys.readouterr()
-    args = ["--model=olmo3-7b", "--train.sequence_length=128", "--train.global_batch_tokens=128"]
+    args = [f"--model={spec_file}", "--train.sequence_length=128", "--train.global_batch_tokens=128"]
     assert main([*args, "--dry-run", "--devices", "h100:1"]) == 1
     captured = capsys.readouterr()
     assert "NO" in captured.out and "MemTracker" in captured.out
