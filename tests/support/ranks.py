@@ -278,17 +278,13 @@ def run_cli_launched(
     env: Mapping[str, str] | None = None,
     timeout: float = 900,
 ) -> subprocess.CompletedProcess:
-    """``olmo-train-{framework} ARGS`` the way a user launches it, for the tests about the launch
-    itself: torch as one ``python -m`` process or ``ranks`` processes under torchrun (gloo),
-    JAX as one process on ``ranks`` simulated CPU devices. ``entry`` replaces ``-m
-    olmo_train_{framework}`` (a test-only entry point: a script and its own arguments). One
-    intra-op thread for torch, JAX on its CPU backend."""
+    """``olmo-train-torch ARGS`` the way a user launches it, for the test about the launch itself
+    (the contract's elastic test): one ``python -m`` process, or ``ranks`` processes under
+    torchrun (gloo), one intra-op thread each. ``entry`` replaces ``-m olmo_train_torch`` (a
+    test-only entry point: a script and its own arguments)."""
+    assert framework == "torch", "a JAX run launched for real: test_multihost's Job(launched=True)"
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu", **(env or {})}
-    main = entry if entry is not None else ["-m", f"olmo_train_{framework}"]
-    if framework == "jax":
-        run_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ranks}"
-        launcher: list[str] = []
-    else:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    main = entry if entry is not None else ["-m", "olmo_train_torch"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
     command = [sys.executable, *launcher, *main, *args]
     return subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=timeout)
