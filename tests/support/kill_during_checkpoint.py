@@ -15,8 +15,8 @@ import signal
 import sys
 
 
-def main() -> int:
-    framework, kill_step, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def install(framework: str, kill_step: int) -> None:
+    """Make this process SIGKILL itself right before the step-``kill_step`` checkpoint commits."""
     checkpoint = importlib.import_module(f"olmo_train_{framework}.checkpoint")
     commit = checkpoint.commit_checkpoint
 
@@ -27,6 +27,11 @@ def main() -> int:
         commit(ckpt, meta)
 
     checkpoint.commit_checkpoint = kill_before_commit
+
+
+def main() -> int:
+    framework, kill_step, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    install(framework, kill_step)
     return importlib.import_module(f"olmo_train_{framework}.cli").main(args)
 
 

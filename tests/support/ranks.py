@@ -139,11 +139,10 @@ def _cli_entry(
         import kill_after_checkpoint
 
         kill_after_checkpoint.install(framework, kill_after)
-    if kill_during is not None:  # the test-only entry point, run as its command line would
+    if kill_during is not None:
         import kill_during_checkpoint
 
-        sys.argv = [kill_during_checkpoint.__file__, framework, str(kill_during), *argv]
-        sys.exit(kill_during_checkpoint.main())
+        kill_during_checkpoint.install(framework, kill_during)
     sys.exit(importlib.import_module(f"olmo_train_{framework}.cli").main(argv))
 
 

@@ -66,7 +66,7 @@ def _ep_local(
     token_axes: tuple[str, ...],
     mxfp8: bool,
     platform: str,
-    gemm: str = "auto",
+    gemm: str,
 ):
     """The per-device body of the expert-parallel routed experts (module docstring, 1-4)."""
     n_tokens, k = experts.shape
@@ -150,7 +150,7 @@ def _local_with_count(
     token_axes: tuple[str, ...],
     mxfp8: bool,
     platform: str,
-    gemm: str = "auto",
+    gemm: str,
 ):
     out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8, gemm=gemm, platform=platform)
     return out, jax.lax.psum(computed, token_axes)
