@@ -60,7 +60,7 @@ def test_unknown_backend_fails():
 
 
 def _hopper() -> bool:
-    return jax.default_backend() == "gpu" and moe._is_hopper()
+    return jax.default_backend() == "gpu" and moe._is_hopper(jax.devices()[0])
 
 
 @pytest.mark.skipif(not _hopper(), reason="JAX's Mosaic GPU grouped-GEMM kernels need a Hopper GPU")

@@ -927,6 +927,9 @@ DEFAULT_PLAN = [
     "moe-model-jax",
     "cli-torch",
     "cli-jax",
+    # remat none with the RMSNorm / SwiGLU VJPs: 70.7 GiB by XLA:GPU's ahead-of-time compile for
+    # the H200 (olmo-train-jax --dry-run --devices h200:1), so it fits again; faster than save_dots?
+    "jax",
     "torch-none",
     "moe-model-torch-more",
     "moe-model-jax-more",

@@ -113,10 +113,12 @@ class DevicePeak:
         return self.bf16_flops_per_chip / self.devices_per_chip
 
 
-# bf16 dense peaks (docs/design.md). HBM per device for the planner.
+# bf16 dense peaks (docs/design.md). HBM per device for the planner and the dry runs; for the H100
+# and H200 the total nvidia-smi reports (81559 MiB for the H100 80GB HBM3; 143771 MiB on the H200
+# this project was lent, tools/bench/gpu/results/h200-run1-env.txt: the datasheet's "141 GB" is GiB).
 PEAKS: dict[str, DevicePeak] = {
-    "h100": DevicePeak("h100", 989e12, hbm_bytes=80 * 2**30),
-    "h200": DevicePeak("h200", 989e12, hbm_bytes=141e9),
+    "h100": DevicePeak("h100", 989e12, hbm_bytes=81559 * 2**20),
+    "h200": DevicePeak("h200", 989e12, hbm_bytes=143771 * 2**20),
     "b200": DevicePeak("b200", 2250e12, hbm_bytes=180e9),
     "b300": DevicePeak("b300", 2250e12, hbm_bytes=270e9),
     "a100": DevicePeak("a100", 312e12, hbm_bytes=80 * 2**30),

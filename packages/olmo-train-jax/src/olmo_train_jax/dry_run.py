@@ -1,6 +1,16 @@
 """``olmo-train-jax RECIPE.yaml --dry-run --devices KIND:COUNT [--json]``: the recipe's real train
-step compiled ahead of time for a TPU topology on this machine, and the compiler's own figures for it
-(MaxText's train_compile; contract 7). No weights exist and nothing runs.
+step compiled ahead of time for a TPU topology or a cluster of NVIDIA GPUs on this machine, and the
+compiler's own figures for it (MaxText's train_compile; contract 7). No weights exist and nothing runs.
+
+Targets: the TPU kinds of ``TPU_TOPOLOGY_DIMS`` through libtpu (the ``tpu`` extra), and the GPU kinds
+of ``GPU_TARGETS`` through JAX's CUDA plugin (the ``gpu-aot`` extra), which compiles for a GPU it
+cannot see when given the card's description (``gpu_targets/KIND.txtpb``, a
+``GpuTargetConfigProto``) and a topology of hosts x GPUs: COUNT GPUs are ``GPUS_PER_HOST`` to a host
+(an HGX board), fewer on one host. XLA:GPU compiles without autotuning there (no card to time
+kernels on), so its GEMM tilings are its defaults, which move the temporaries little and the speed
+more; cuDNN's fused attention is planned, not built. On a GPU JAX's allocator holds
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` of the card (0.75 unless set) and the step must fit in that, so
+the GPU report's ``hbm_bytes_per_device`` is that share of the card.
 
 What is compiled: the abstract model (``nnx.eval_shape``), prepared for a mesh over the topology's
 devices by the trainer's own ``train.for_mesh`` (so the TPU kernels are chosen, not the host's), the
@@ -28,13 +38,18 @@ its own with XLA's cost analysis (``hlo_module_cost_analysis``, the CPU client's
 the same FLOP count as the TPU executable's; the program-level totals agree) and adds
 (trip count - 1) x body for every loop, nested loops included. The compiler's ``optimal_seconds``
 is scaled by the same factor as its FLOPs (the loop bodies are taken to run at the program's mean
-FLOP rate): an estimate of the step time from XLA's cost model, not a measurement.
+FLOP rate): an estimate of the step time from XLA's cost model, not a measurement. XLA:GPU states a
+loop's trip count on the loop itself (``known_trip_count``), which is taken where present. Its cuDNN
+attention calls are opaque to the cost analysis; ``cudnn_attention_flops`` counts them from their
+shapes. XLA:GPU's compiled program has no ``optimal_seconds``, so a GPU report has no step estimate.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.resources
 import importlib.util
+import json
 import math
 import os
 import re
@@ -56,6 +71,7 @@ from olmo_run.dry_run import DryRunReport
 
 from . import sharding, train
 from .model import build_model
+from .moe import gemm_backend
 
 # Kinds XLA:TPU compiles for here: torus dimensions of the topology name (3D: v5p and tpu7x; 2D: v6e).
 TPU_TOPOLOGY_DIMS = {"v5p": 3, "v6e": 2, "tpu7x": 3}
@@ -134,9 +150,76 @@ def topology_devices(kind: str, chips: int) -> tuple[str, list]:
     return name, list(topo.devices)
 
 
+# GPU kinds XLA:GPU compiles for here, each described by gpu_targets/KIND.txtpb, and the GPUs of one
+# host: an HGX board's 8, the node of the Olmo 3 recipes (torchrun, 8 GPUs per node).
+GPU_TARGETS = ("h100", "h200")
+GPUS_PER_HOST = 8
+CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
+
+
+def gpu_topology_shape(kind: str, count: int) -> tuple[int, int]:
+    """(hosts, GPUs per host) of ``count`` GPUs: up to ``GPUS_PER_HOST`` on one host, more in whole
+    hosts of ``GPUS_PER_HOST``."""
+    if count <= GPUS_PER_HOST:
+        return 1, count
+    if count % GPUS_PER_HOST:
+        raise RecipeError(
+            f"--devices {kind}:{count}: more than {GPUS_PER_HOST} GPUs come in whole hosts of {GPUS_PER_HOST}; "
+            f"use a multiple of {GPUS_PER_HOST}"
+        )
+    return count // GPUS_PER_HOST, GPUS_PER_HOST
+
+
+def gpu_topology_devices(kind: str, count: int) -> tuple[str, list]:
+    """(topology name, the abstract devices XLA:GPU compiles for) of ``count`` GPUs of ``kind``."""
+    if not any(importlib.util.find_spec(p) is not None for p in CUDA_PLUGINS):
+        raise RecipeError(
+            f"--devices {kind}:{count}: compiling for a GPU target needs JAX's CUDA plugin; install it with "
+            "`uv sync --extra gpu-aot` (the dev group has it)"
+        )
+    from jax.experimental import topologies
+
+    hosts, per_host = gpu_topology_shape(kind, count)
+    target = (importlib.resources.files("olmo_train_jax") / "gpu_targets" / f"{kind}.txtpb").read_text()
+    shape = f"1x{hosts}x{per_host}"  # the plugin's <partitions>x<hosts>x<GPUs per host>
+    # The plugin tries to start the CUDA driver first and logs its failure on a host without one.
+    with _quiet_stderr():
+        topo = topologies.get_topology_desc(platform="cuda", topology=shape, target_config=target)
+    hosts_text = f"{hosts} host{'s' if hosts > 1 else ''}"
+    return f"{kind}:{count} ({hosts_text} x {per_host} GPU{'s' if per_host > 1 else ''})", list(topo.devices)
+
+
+def target_devices(kind: str, count: int) -> tuple[str, list]:
+    """(topology name, abstract devices) of ``count`` devices of a TPU or GPU ``kind``."""
+    if kind in TPU_TOPOLOGY_DIMS:
+        return topology_devices(kind, count)
+    if kind in GPU_TARGETS:
+        return gpu_topology_devices(kind, count)
+    raise RecipeError(
+        f"--devices {kind}:{count}: the JAX dry run compiles for {', '.join((*TPU_TOPOLOGY_DIMS, *GPU_TARGETS))} "
+        f"(no target description of {kind} here); use olmo-train-torch --dry-run for other GPU layouts"
+    )
+
+
+def gpu_memory_fraction() -> float:
+    """The share of a GPU that JAX's allocator holds: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, 0.75 unless set."""
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise RecipeError(
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION='{text}': write the share of the GPU JAX may hold, a number in (0, 1]"
+        )
+    return fraction
+
+
 # ---- the compiler's cost with loop trip counts ---------------------------------------------------
 
 _WHILE = re.compile(r"\bwhile\((%[\w.\-]+)\), condition=%([\w.\-]+), body=%([\w.\-]+)")
+_KNOWN_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CUDNN_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ")
 _DEF = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = ")
 
@@ -223,6 +306,29 @@ def _trip_count(caller: list[str], init: str, condition: list[str], body: list[s
     return max(0, -(-(bound - start) // step))
 
 
+def cudnn_attention_flops(line: str) -> float:
+    """FLOPs of one cuDNN fused-attention call (XLA:GPU's ``__cudnn$fmha*`` custom calls), from its
+    backend config: scores [B, N, Sq, Sk] (``intermediate_tensor_shape``), head width H (the
+    output's last dimension), the keys each query sees (all Sk; causal: query i sees i + 1; a
+    ``sliding_window_length`` W: at most W), and its matmul passes of 2 x H FLOPs per (query, key):
+    2 forward (scores, values), 5 backward (scores recomputed, dV, dP, dQ, dK: FlashAttention's
+    backward). The useful work, as olmo_model counts attention; the kernel's masked halves of
+    diagonal tiles are not in it. 0 for a line that is no such call."""
+    m = _CUDNN_FMHA.search(line)
+    if m is None:
+        return 0.0
+    config = json.loads(line[line.index("backend_config=") + len("backend_config=") :])["cudnn_fmha_backend_config"]
+    B, N, Sq, Sk = (int(x) for x in config["intermediate_tensor_shape"]["dimensions"])
+    head = int(re.search(r"= \(?\w+\[([\d,]+)\]", line).group(1).split(",")[-1])  # type: ignore[union-attr]
+    window = int(config.get("sliding_window_length", 0) or 0)
+    if "CAUSAL" in config.get("mask_type", "NO_MASK"):
+        seen = sum(min(i + 1, window) if window else i + 1 for i in range(Sq))
+    else:
+        seen = Sq * (min(Sk, window) if window else Sk)
+    passes = 5 if m.group(1).endswith("Backward") else 2
+    return float(passes * 2 * head * B * N * seen)
+
+
 def scaled_cost(hlo_text: str) -> ScaledCost:
     """The compiled program's FLOPs per device with every while loop's body counted trip-count times
     (module docstring)."""
@@ -256,9 +362,19 @@ def scaled_cost(hlo_text: str) -> ScaledCost:
                 lines += ["ENTRY " + first if comp == name else first, *body[1:]]
         # Stack frame ids point into a table of the whole module's text that a sub-module lacks.
         module = hlo.hlo_module_from_text(re.sub(r" ?stack_frame_id=\d+", "", "\n".join(lines)))
-        return float(_jax.hlo_module_cost_analysis(client, module).get("flops", 0.0))
+        # XLA counts a custom call as no FLOPs: cuDNN's attention is counted from its shapes.
+        opaque = sum(cudnn_attention_flops(line) for comp in reach for line in comps[comp])
+        return float(_jax.hlo_module_cost_analysis(client, module).get("flops", 0.0)) + opaque
 
-    loops = {name: [m.groups() for line in lines if (m := _WHILE.search(line))] for name, lines in comps.items()}
+    def while_loop(line: str) -> tuple[str, str, str, int | None] | None:
+        m = _WHILE.search(line)
+        if m is None:
+            return None
+        known = _KNOWN_TRIPS.search(line)
+        init, condition, body = m.groups()
+        return init, condition, body, int(known.group(1)) if known else None
+
+    loops = {name: [w for line in lines if (w := while_loop(line))] for name, lines in comps.items()}
     entry = next(name for name, lines in comps.items() if lines[0].startswith("ENTRY "))
     once: dict[str, float] = {}
     trips: dict[str, int] = {}
@@ -271,13 +387,13 @@ def scaled_cost(hlo_text: str) -> ScaledCost:
     def total(name: str) -> float:
         # Each loop directly in this computation is in its cost once; count it trip-count times.
         t = cost_once(name)
-        for init, condition, body in loops.get(name, []):
-            trips[body] = _trip_count(comps[name], init, comps[condition], comps[body])
+        for init, condition, body, known in loops.get(name, []):
+            trips[body] = known if known is not None else _trip_count(comps[name], init, comps[condition], comps[body])
             t += trips[body] * total(body) - cost_once(body)
         return t
 
     flops = total(entry)
-    nested = {body for found in loops.values() for _, _, body in found}
+    nested = {body for found in loops.values() for _, _, body, _ in found}
     if nested - set(trips):
         # A loop inside something other than the entry or a loop body (a conditional, a call).
         raise ValueError(f"while loops outside the entry's loop nest are not counted: {sorted(nested - set(trips))}")
@@ -307,6 +423,14 @@ def _resource_exhausted(message: str) -> tuple[int, int] | None:
     return None
 
 
+def _experts_backend(recipe: Recipe, spec: Any, device: Any) -> str:
+    """The grouped GEMM the MoE layers would run on ``device`` (``moe.gemm_backend`` for ``auto``)."""
+    if recipe.jax.moe_gemm != "auto":
+        return recipe.jax.moe_gemm
+    dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
+    return gemm_backend(dtype, spec.d_model, spec.moe.expert_hidden, device)
+
+
 def _bytes_per_device(tree: Any) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
     return sum(
@@ -318,20 +442,23 @@ def _bytes_per_device(tree: Any) -> int:
 def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
     """Compile the recipe's train step for ``count`` chips of ``device_kind`` and report it."""
     peak = resolve_device_kind(device_kind)
-    if peak.kind not in TPU_TOPOLOGY_DIMS:
-        raise RecipeError(
-            f"--devices {device_kind}:{count}: compiling the JAX step for {peak.kind} needs {peak.kind} GPUs "
-            f"on this machine (XLA:GPU compiles only for the GPUs it sees); dry-run a TPU kind here "
-            f"({', '.join(TPU_TOPOLOGY_DIMS)}), or use olmo-train-torch --dry-run for GPU layouts"
-        )
+    gpu = peak.kind in GPU_TARGETS
     spec = recipe.model_spec()
     seq = recipe.train.sequence_length
     if seq is None:
         raise RecipeError("--dry-run needs train.sequence_length in the recipe (a dry run reads no data)")
+    fraction = gpu_memory_fraction() if gpu else 1.0
     started = time.perf_counter()
-    topology, devices = topology_devices(peak.kind, count)
+    topology, devices = target_devices(peak.kind, count)
     mesh = sharding.make_mesh(recipe.jax.mesh, devices)
     sharding.check_layout(mesh, recipe, spec, seq)
+    if gpu and spec.moe is not None and _experts_backend(recipe, spec, devices[0]) == "mgpu":
+        raise RecipeError(
+            f"--devices {peak.kind}:{count}: this MoE step's grouped GEMM on {peak.kind} is JAX's Mosaic GPU kernels "
+            "(jax.moe_gemm=auto's choice on Hopper, or set), which JAX traces only on the GPU itself "
+            "(transposed_ragged_dot_mgpu reads jax.devices()[0].core_count); dry-run with --jax.moe_gemm=ragged, "
+            "whose lax.ragged_dot XLA:GPU lowers densely over the experts (temporaries that grow with moe.n_experts)"
+        )
     cp = sharding.context_size(mesh)
     layout = batch_layout(recipe.global_batch_sequences(seq), sharding.dp_size(mesh), recipe.train.micro_batch_size)
 
@@ -374,7 +501,13 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
             "spike_guard.enabled: the trainer runs gradients and update as two programs; this is the fused "
             "step, and the split one also holds the fp32 gradients between its two programs"
         )
-    method = f"XLA:TPU ahead-of-time compile for {topology}"
+    if gpu:
+        notes.append(
+            f"memory budget: JAX's allocator holds XLA_PYTHON_CLIENT_MEM_FRACTION={fraction:g} of the "
+            f"{peak.hbm_bytes / 2**30:.2f} GiB card ({fraction * peak.hbm_bytes / 2**30:.2f} GiB); XLA:GPU compiled "
+            "without autotuning (no card to time kernels on)"
+        )
+    method = f"XLA:{'GPU' if gpu else 'TPU'} ahead-of-time compile for {topology}"
     report = partial(
         DryRunReport,
         framework="jax",
@@ -388,10 +521,16 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         notes=notes,
     )
     lowered = fns.fused.lower(params, opt_state, batch, lr, step)
+    hbm = int(fraction * peak.hbm_bytes)
     try:
         compiled = lowered.compile()
     except Exception as err:  # XLA's runtime error type is private; only an out-of-memory is a result
         message = str(err)
+        if "Couldn't find a suitable version of ptxas" in message:
+            raise RecipeError(
+                f"--devices {peak.kind}:{count}: XLA:GPU needs NVIDIA's ptxas and libdevice to compile; install "
+                "them with `uv sync --extra gpu-aot` (nvidia-cuda-nvcc, nvidia-nvvm) or put a CUDA toolkit on PATH"
+            ) from None
         if "RESOURCE_EXHAUSTED" not in message:
             raise
         arguments = _bytes_per_device((params, opt_state, batch, lr, step))
@@ -402,7 +541,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         # + temporaries together (module docstring), so the figure it sets against the whole HBM
         # is their sum. Without figures the step needs more than the HBM beside its arguments, by
         # an amount the compiler did not state.
-        needed, available = figures or (arguments + int(peak.hbm_bytes), int(peak.hbm_bytes))
+        needed, available = figures or (arguments + hbm, hbm)
         return report(
             peak_bytes_per_device=needed,
             hbm_bytes_per_device=available,
@@ -432,13 +571,18 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         f"compiled FLOPs per device: XLA counts {cost.flops_once:.3e} with each loop once; with the loops' trip "
         f"counts ({', '.join(str(t) for t in cost.trip_counts.values()) or 'none'}) {cost.flops:.3e}"
     )
-    notes.append(
-        "step time and MFU are XLA's cost model (optimal_seconds scaled by the loops' trip counts), "
-        "an estimate on paper, not a measurement"
-    )
+    if step_seconds is not None:
+        notes.append(
+            "step time and MFU are XLA's cost model (optimal_seconds scaled by the loops' trip counts), "
+            "an estimate on paper, not a measurement"
+        )
+    else:
+        notes.append(
+            f"no step time estimate: XLA:{'GPU' if gpu else 'TPU'}'s compiled program states no optimal_seconds"
+        )
     return report(
         peak_bytes_per_device=sum(parts.values()),
-        hbm_bytes_per_device=int(peak.hbm_bytes),
+        hbm_bytes_per_device=hbm,
         memory_bytes=parts,
         compile_seconds=compile_seconds,
         compiled_flops_per_step=cost.flops * n,

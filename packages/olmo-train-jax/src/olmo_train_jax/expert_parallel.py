@@ -65,7 +65,7 @@ def _ep_local(
     ep: int,
     token_axes: tuple[str, ...],
     mxfp8: bool,
-    platform: str,
+    device: jax.Device,
     gemm: str,
 ):
     """The per-device body of the expert-parallel routed experts (module docstring, 1-4)."""
@@ -89,7 +89,7 @@ def _ep_local(
     recv_ids = jax.lax.all_to_all(send_ids.reshape(ep * n_assign), EXPERT_AXIS, 0, 0, tiled=True)
 
     recv_order, sizes = sort_by_expert(recv_ids, local_experts_n)
-    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8, gemm=gemm, platform=platform)
+    computed = grouped_swiglu(recv[recv_order], w, sizes, mxfp8=mxfp8, gemm=gemm, device=device)
     outputs = jnp.zeros_like(computed).at[recv_order].set(computed)
     back = jax.lax.all_to_all(outputs, EXPERT_AXIS, 0, 0, tiled=True).reshape(ep, n_assign, d)
 
@@ -105,8 +105,8 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False, gemm: str = "aut
     global-view ``local_experts`` would sort the tokens of every device together."""
     ep = mesh.shape.get(EXPERT_AXIS, 1)
     # The grouped GEMM is chosen for the mesh's devices, which for an ahead-of-time compile
-    # (dry_run) are a TPU topology's, not this host's.
-    platform = mesh.devices.flat[0].platform
+    # (dry_run) are a TPU or GPU target's, not this host's.
+    device = mesh.devices.flat[0]
     token_axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)
     token_shards = 1
     for a in token_axes:
@@ -127,11 +127,9 @@ def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False, gemm: str = "aut
                 f"mesh axes {token_axes}; make batch x sequence a multiple of {token_shards}"
             )
         if ep == 1:
-            body = functools.partial(
-                _local_with_count, token_axes=token_axes, mxfp8=mxfp8, platform=platform, gemm=gemm
-            )
+            body = functools.partial(_local_with_count, token_axes=token_axes, mxfp8=mxfp8, device=device, gemm=gemm)
         else:
-            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8, platform=platform, gemm=gemm)
+            body = functools.partial(_ep_local, ep=ep, token_axes=token_axes, mxfp8=mxfp8, device=device, gemm=gemm)
         # ignore: the NamedTuple as a pytree of PartitionSpecs, mirroring the weights it shards.
         expert_w = ExpertWeights(expert_split, expert_split, expert_split)  # type: ignore[arg-type]
         return jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w), out_specs=(tokens, P()))(
@@ -149,10 +147,10 @@ def _local_with_count(
     *,
     token_axes: tuple[str, ...],
     mxfp8: bool,
-    platform: str,
+    device: jax.Device,
     gemm: str,
 ):
-    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8, gemm=gemm, platform=platform)
+    out, computed = local_experts(x, experts, weights, w, mxfp8=mxfp8, gemm=gemm, device=device)
     return out, jax.lax.psum(computed, token_axes)
 
 

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from olmo_model import ModelSpec, MoESpec
+from olmo_model import ModelSpec, MoESpec, UnknownDeviceError, resolve_device_kind
 from olmo_model.moe import E4M3_MAX, MX_BLOCK, check_routing, moe_train_metrics
 from olmo_model.moe import aux_loss as weighted_aux_loss
 from olmo_model.recipe import RecipeError
@@ -213,7 +213,7 @@ def grouped_swiglu(
     *,
     mxfp8: bool = False,
     gemm: str = "auto",
-    platform: str | None = None,
+    device: jax.Device | None = None,
 ) -> jax.Array:
     """Rows of ``xs`` [N, d], sorted into consecutive groups of ``group_sizes`` [E] rows, each
     through its own expert's SwiGLU -> [N, d]; rows past sum(group_sizes) come back zero.
@@ -223,13 +223,13 @@ def grouped_swiglu(
     ``jax.lax.ragged_dot`` per matmul (TPU); ``tiled``, ``tiled_swiglu`` (CPU: XLA:CPU lowers
     ragged_dot as a dense contraction over all E groups, cost ~ N x E; tiles cost ~ N + E x
     tile); ``mgpu``, JAX's Hopper grouped-GEMM kernels (XLA:GPU's ragged_dot is dense too).
-    ``platform``: what ``auto`` chooses for (None: ``jax.default_backend()``)."""
+    ``device``: the device ``auto`` chooses for (None: ``jax.devices()[0]``)."""
     dtype = xs.dtype
     gate, up, down = (t.astype(dtype) for t in w)
     if mxfp8:
         # Kernels are (in, out): the reduction axis is -2 of the weights, -1 of the rows.
         xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
-    backend = gemm_backend(xs.dtype, xs.shape[1], gate.shape[2], platform) if gemm == "auto" else gemm
+    backend = gemm_backend(xs.dtype, xs.shape[1], gate.shape[2], device) if gemm == "auto" else gemm
     if backend == "tiled":
         return tiled_swiglu(xs, ExpertWeights(gate, up, down), group_sizes, mxfp8=mxfp8)
     if backend == "mgpu":
@@ -250,24 +250,25 @@ MGPU_TRANSPOSED = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps
 MGPU_ALIGN = 128
 
 
-def gemm_backend(dtype, d_in: int, d_hidden: int, platform: str | None = None) -> str:
-    """``auto``'s choice for ``platform``, the platform the step is compiled for (None:
-    ``jax.default_backend()``; a TPU topology compiled ahead of time on a CPU host is "tpu"). XLA:CPU lowers ragged_dot densely over all groups (cost ~ N x E): tiles.
+def gemm_backend(dtype, d_in: int, d_hidden: int, device: jax.Device | None = None) -> str:
+    """``auto``'s choice for ``device``, a device of the mesh the step is compiled for (None:
+    ``jax.devices()[0]``; compiled ahead of time on a CPU host, an abstract TPU or GPU device of
+    the target, ``dry_run``). XLA:CPU lowers ragged_dot densely over all groups (cost ~ N x E): tiles.
     XLA:GPU does the same in jax 0.11 (measured on an H200: 8 -> 128 experts made one MoE
     block's step 15x slower), so Hopper GPUs run JAX's own Mosaic GPU grouped-GEMM kernels
     (bf16/fp16, widths multiples of 128); TPUs and other cases keep ragged_dot."""
-    platform = platform or jax.default_backend()
-    if platform == "cpu":
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
         return "tiled"
-    if mgpu_unsupported(dtype, d_in, d_hidden, platform) is None:
+    if mgpu_unsupported(dtype, d_in, d_hidden, device) is None:
         return "mgpu"
     return "ragged"
 
 
-def mgpu_unsupported(dtype, d_in: int, d_hidden: int, platform: str) -> str | None:
-    """Why JAX's Mosaic GPU grouped-GEMM kernels cannot run the experts here; None if they can."""
-    if platform != "gpu" or not _is_hopper():
-        return f"its kernels need a Hopper GPU (the step is compiled for {platform})"
+def mgpu_unsupported(dtype, d_in: int, d_hidden: int, device: jax.Device) -> str | None:
+    """Why JAX's Mosaic GPU grouped-GEMM kernels cannot run the experts on ``device``; None if they can."""
+    if device.platform != "gpu" or not _is_hopper(device):
+        return f"its kernels need a Hopper GPU (the step is compiled for {device.device_kind})"
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return f"its kernels take bf16 or fp16, not {jnp.dtype(dtype).name} (train.precision)"
     if d_in % MGPU_ALIGN or d_hidden % MGPU_ALIGN:
@@ -275,19 +276,32 @@ def mgpu_unsupported(dtype, d_in: int, d_hidden: int, platform: str) -> str | No
     return None
 
 
-def check_gemm(gemm: str, spec: ModelSpec, precision: str, platform: str) -> None:
+def check_gemm(gemm: str, spec: ModelSpec, precision: str, device: jax.Device) -> None:
     """Refuse ``jax.moe_gemm=mgpu`` where its kernels cannot run, in one line, before anything
     is written (the other backends run everywhere)."""
     if gemm != "mgpu" or spec.moe is None:
         return
     dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
-    why = mgpu_unsupported(dtype, spec.d_model, spec.moe.expert_hidden, platform)
+    why = mgpu_unsupported(dtype, spec.d_model, spec.moe.expert_hidden, device)
     if why is not None:
         raise RecipeError(f"jax.moe_gemm=mgpu: {why}; use jax.moe_gemm=auto")
 
 
-def _is_hopper() -> bool:
-    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9.")
+# The Hopper kinds of olmo_model's peak table (compute capability 9.0).
+HOPPER_KINDS = ("h100", "h200")
+
+
+def _is_hopper(device: jax.Device) -> bool:
+    """Whether ``device`` is a Hopper GPU: its compute capability where the device has one (a
+    GPU this process runs on), else the kind its name resolves to (the abstract devices of an
+    ahead-of-time GPU target, ``dry_run``, carry only their name)."""
+    capability = getattr(device, "compute_capability", None)
+    if capability is not None:
+        return str(capability).startswith("9.")
+    try:
+        return resolve_device_kind(device.device_kind).kind in HOPPER_KINDS
+    except UnknownDeviceError:
+        return False
 
 
 def _mgpu_kernels():
@@ -429,15 +443,15 @@ def local_experts(
     *,
     mxfp8: bool = False,
     gemm: str = "auto",
-    platform: str | None = None,
+    device: jax.Device | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The routed part with every expert on this device (an ``ExpertsFn`` as it stands;
     ``functools.partial(local_experts, mxfp8=True)`` for the MXFP8 emulation, ``gemm=`` to
-    force a grouped GEMM backend, ``platform=`` the platform ``auto`` chooses it for)."""
+    force a grouped GEMM backend, ``device=`` the device ``auto`` chooses it for)."""
     n_experts = w.gate.shape[0]
     k = experts.shape[-1]
     order, sizes = sort_by_expert(experts.reshape(-1), n_experts)
-    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8, gemm=gemm, platform=platform)
+    ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8, gemm=gemm, device=device)
     ys = jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
     return combine(ys, weights), jnp.sum(sizes)
 

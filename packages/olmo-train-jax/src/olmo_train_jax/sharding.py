@@ -285,7 +285,7 @@ def check_layout(mesh: Mesh, recipe: Recipe, spec: ModelSpec, sequence_length: i
     against the sequence, ``jax.moe_gemm`` against the devices and precision."""
     check_mesh_for_spec(mesh, spec)
     check_mesh_for_sequence(mesh, sequence_length)
-    check_gemm(recipe.jax.moe_gemm, spec, recipe.train.precision, mesh.devices.flat[0].platform)
+    check_gemm(recipe.jax.moe_gemm, spec, recipe.train.precision, mesh.devices.flat[0])
 
 
 def to_context_order(x: np.ndarray, mesh: Mesh) -> np.ndarray:
