@@ -36,6 +36,22 @@ def test_stage1_on_512_devices_of_three_kinds(capsys):
     assert h100["step_time_s"] / v5p["step_time_s"] == pytest.approx(459 / 989)
 
 
+def test_jax_on_gpus_drops_the_blocked_attention_scores_for_cudnn_flash(capsys):
+    """``--framework jax`` on an H100 plans the JAX step with cuDNN's flash attention (bf16, no
+    document mask, head_dim 128), which keeps no scores; with ``jax.attention=xla`` it keeps the
+    blocked kernel's, ``JAX_ATTENTION_SCORES`` (1.5) x heads (32) x 8192^2 fp32 = 12 GiB per row,
+    as on a TPU."""
+    rc, out = _plan(capsys, "--devices", "h100:512", "--framework", "jax")
+    rc_xla, xla = _plan(capsys, "--devices", "h100:512", "--framework", "jax", "--jax.attention=xla")
+    assert rc == rc_xla == 0
+    flash, blocked = out["plans"][0], xla["plans"][0]
+    assert flash["framework"] == blocked["framework"] == "jax"
+    assert blocked["memory_total_gib"] - flash["memory_total_gib"] == pytest.approx(1.5 * 32 * 8192**2 * 4 / 2**30)
+    # The default for a GPU kind is still the torch trainer.
+    rc, default = _plan(capsys, "--devices", "h100:512")
+    assert default["plans"][0]["framework"] == "torch"
+
+
 def test_quarter_of_the_devices_keeps_the_global_batch(capsys):
     rc, out = _plan(capsys, "--devices", "tpu7x:512", "--devices", "tpu7x:128")
     assert rc == 0

@@ -24,10 +24,13 @@ Memory model (per device, bytes):
 Torch with FSDP2/HSDP and activation checkpointing: the larger of the above and the state inside
 the fused output head (``_torch_head_phase``), where ``olmo-train-torch --dry-run`` finds the peak
 of the Olmo 3 recipes (within 5% of it on olmo3-7b h100:512, olmo3-32b h100:512 and h100:64).
-JAX (TPU kinds): the fused step as XLA:TPU compiles it (``_jax_step``): the sharded fp32 gradients
-(and accumulator) with the state, the output head's whole fp32 gradient with its copies, and the
-blocked attention's fp32 scores (``JAX_ATTENTION_SCORES``); within 11% of the compiler's peak
-(``olmo-train-jax --dry-run``) on olmo3-7b v5p:512 and v5p:128 and olmo3-32b v5p:512.
+JAX (TPU kinds, or ``--framework jax``): the fused step as XLA:TPU compiles it (``_jax_step``): the
+sharded fp32 gradients (and accumulator) with the state, the output head's whole fp32 gradient with
+its copies, and the blocked attention's fp32 scores (``JAX_ATTENTION_SCORES``); within 11% of the
+compiler's peak (``olmo-train-jax --dry-run``) on olmo3-7b v5p:512 and v5p:128 and olmo3-32b
+v5p:512. On a GPU the step runs cuDNN's flash attention where it can (``jax_flash_attention``),
+which keeps no scores: the same model without that term, within 9% of XLA:GPU's compile of the
+olmo3-7b and olmo3-32b stage-1 recipes on h100:512 and h100:64.
 Context parallelism (``jax.mesh.context`` / ``torch.context_parallel`` = C): one sequence is split
 over C devices, so the data-parallel size is devices / C (x the other model axes), each device holds
 S / C tokens of its rows (activations, head + loss), and the state is sharded as without it (the
@@ -99,10 +102,18 @@ def _activation_values_per_token_layer(spec: ModelSpec, remat: str) -> float:
     return 6 * d + 3 * q + 4 * kv + 4 * ff
 
 
-def _framework_layout(recipe: Recipe, kind: str, devices: int) -> tuple[str, int, int, str, int]:
+TPU_KINDS = ("v5p", "v6e", "tpu7x")
+
+
+def _framework_layout(
+    recipe: Recipe, kind: str, devices: int, framework: str | None = None
+) -> tuple[str, int, int, str, int]:
     """(framework, data-parallel size, state sharding group, remat, context degree) for a device
-    layout."""
-    if kind in ("v5p", "v6e", "tpu7x"):
+    layout; ``framework`` None: JAX on TPU kinds, torch on GPUs."""
+    framework = framework or ("jax" if kind in TPU_KINDS else "torch")
+    if framework not in ("jax", "torch"):
+        raise RecipeError(f"framework '{framework}' is unknown; use jax or torch")
+    if framework == "jax":
         mesh = dict(recipe.jax.mesh)
         tensor = mesh.get("tensor", 1)
         fixed = 1
@@ -176,8 +187,28 @@ def _context_terms(spec: ModelSpec, rows: int, seq: int, cp: int) -> tuple[float
     return float(CONTEXT_SCORE_BYTES), float(KV_EXCHANGE_BYTES * rows * seq * spec.kv_width)
 
 
+def jax_flash_attention(recipe: Recipe, spec: ModelSpec) -> bool:
+    """Whether the JAX step on a GPU runs cuDNN's fused (flash) attention, which keeps no S x S
+    scores: the conditions of ``olmo_train_jax.model.attention`` (``jax.attention`` auto or
+    cudnn, bf16, no document mask, head_dim a multiple of 8 up to 256)."""
+    return (
+        recipe.jax.attention != "xla"
+        and recipe.train.precision == "bf16"
+        and not recipe.train.document_masking
+        and spec.head_dim % 8 == 0
+        and spec.head_dim <= 256
+    )
+
+
 def _jax_step(
-    spec: ModelSpec, n: int, shard: int, accumulation: int, rows: int, seq: int, cp: int = 1
+    spec: ModelSpec,
+    n: int,
+    shard: int,
+    accumulation: int,
+    rows: int,
+    seq: int,
+    cp: int = 1,
+    flash: bool = False,
 ) -> tuple[float, int, float]:
     """(state, head + loss, attention) bytes per device of the JAX trainer's fused step as XLA:TPU
     compiles it (``olmo-train-jax --dry-run``): fp32 weights, AdamW moments and fp32 gradients
@@ -185,25 +216,30 @@ def _jax_step(
     (reduced over the batch only after its last chunk), its bf16 copy and fp32 cast and the
     gathered bf16 head (12 bytes per d_model x padded vocab), a chunk of fp32 logits and the
     head's input gradient (bf16); the attention scores of ``rows`` rows of ``seq`` tokens (under
-    context parallelism, ``cp`` > 1: S / cp tokens per row, the context kernel's block scores)."""
+    context parallelism, ``cp`` > 1: S / cp tokens per row, the context kernel's block scores;
+    ``flash``: none, cuDNN's fused attention on a GPU)."""
     d, v = spec.d_model, spec.padded_vocab_size
     tokens = rows * seq // cp
     state = n * (16 + (4 if accumulation > 1 else 0)) / shard
     head = 12 * d * v + min(tokens * v * 4, HEAD_CHUNK_BYTES) + tokens * d * 2
     if cp > 1:
         attention = _context_terms(spec, rows, seq, cp)[0]
+    elif flash:
+        attention = 0.0
     else:
         attention = JAX_ATTENTION_SCORES * rows * spec.n_heads * seq * seq * 4
     return state, head, attention
 
 
-def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Plan:
+def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float, framework: str | None = None) -> Plan:
+    """The plan of ``recipe`` on ``devices`` of ``device_kind`` for ``framework`` (None: JAX on
+    TPU kinds, torch on GPUs)."""
     spec = recipe.model_spec()
     peak = resolve_device_kind(device_kind)
     seq = recipe.train.sequence_length
     if seq is None:
         raise RecipeError("olmo-plan needs train.sequence_length in the recipe (the dry run reads no data)")
-    framework, dp, shard, remat, cp = _framework_layout(recipe, peak.kind, devices)
+    framework, dp, shard, remat, cp = _framework_layout(recipe, peak.kind, devices, framework)
     if cp > 1 and seq % (2 * cp):
         raise RecipeError(
             f"context degree {cp} needs train.sequence_length={seq} to split into 2 x {cp} equal chunks; "
@@ -232,8 +268,9 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float) -> Pla
     # The K/V of the whole sequence that one global layer gathers under context parallelism.
     exchange = _context_terms(spec, layout.per_device_batch, seq, cp)[1]
     if framework == "jax":
+        flash = peak.kind not in TPU_KINDS and jax_flash_attention(recipe, spec)
         state, logits, attention = _jax_step(
-            spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq, cp
+            spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq, cp, flash
         )
         acts += attention
     total = state + gathered + acts + logits + exchange
@@ -318,10 +355,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", action="append", required=True, help="KIND:COUNT (repeatable)")
     parser.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for step time (default 0.40)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument(
+        "--framework",
+        choices=("jax", "torch"),
+        default=None,
+        help="trainer to plan for (default: JAX on TPUs, torch on GPUs)",
+    )
     args, overrides = parser.parse_known_args(argv)
     try:
         recipe = load_recipe(args.recipe, overrides)
-        plans = [make_plan(recipe, *parse_devices(d), args.mfu) for d in args.devices]
+        plans = [make_plan(recipe, *parse_devices(d), args.mfu, args.framework) for d in args.devices]
     except (RecipeError, UnknownDeviceError, ValueError) as err:
         print(f"olmo-plan: {err}", file=sys.stderr)
         return 2

@@ -91,8 +91,8 @@ def parse_dry_run_args(args: list[str]) -> tuple[list[str], DryRunArgs | None]:
 
 
 def planner_peak_bytes(recipe: Recipe, report: DryRunReport) -> int:
-    """``olmo-plan``'s per-device estimate for the same recipe and layout."""
-    plan = make_plan(recipe, report.device_kind, report.devices, PLANNER_MFU)
+    """``olmo-plan``'s per-device estimate for the same recipe, layout and trainer."""
+    plan = make_plan(recipe, report.device_kind, report.devices, PLANNER_MFU, report.framework)
     return int(plan.memory_total_gib * GIB)
 
 
