@@ -177,6 +177,16 @@ def test_scaled_cost_counts_each_loop_body_trip_count_times():
     assert sorted(cost.trip_counts.values()) == [3, 4]
 
 
+def test_the_step_estimate_scales_the_cost_model_and_refuses_what_is_no_time():
+    """optimal_seconds x compiled FLOPs / FLOPs counted once; nothing where XLA's cost model gives
+    no positive time (XLA:TPU gave -1894 s for olmo3-7b on tpu7x:256, which became a negative MFU)."""
+    cost = dr.ScaledCost(flops=12.0, flops_once=3.0, trip_counts={"body": 4})
+    assert dr.step_estimate(0.5, cost) == 2.0
+    for bad in (None, 0.0, -1894.8, float("nan")):
+        assert dr.step_estimate(bad, cost) is None
+    assert dr.step_estimate(0.5, dr.ScaledCost(flops=0.0, flops_once=0.0, trip_counts={})) is None
+
+
 def test_temporaries_do_not_grow_with_the_device_count(recipes):
     """Doubling the devices at a fixed per-device batch (one row per device per micro-step)
     leaves each device the same work, so its temporaries must not grow: before the residual

@@ -423,6 +423,16 @@ def _resource_exhausted(message: str) -> tuple[int, int] | None:
     return None
 
 
+def step_estimate(optimal_seconds: float | None, cost: ScaledCost) -> float | None:
+    """The step time XLA's cost model implies: its ``optimal_seconds`` for the program with each loop
+    once, scaled by the loops' trip counts (module docstring); None where the model gives no
+    positive figure (XLA:GPU states none; XLA:TPU's is negative for some targets, e.g. tpu7x at
+    512 devices, which is no time at all)."""
+    if optimal_seconds is None or not optimal_seconds > 0 or not cost.flops_once > 0:
+        return None
+    return float(optimal_seconds) * cost.flops / cost.flops_once
+
+
 def _experts_backend(recipe: Recipe, spec: Any, device: Any) -> str:
     """The grouped GEMM the MoE layers would run on ``device`` (``moe.gemm_backend`` for ``auto``)."""
     if recipe.jax.moe_gemm != "auto":
@@ -561,12 +571,9 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         notes.append(f"the compiler's heap-simulated peak (arguments included): {heap_peak / 2**30:.2f} GiB")
     cost = scaled_cost(compiled.as_text())
     xla_cost = compiled.cost_analysis()
-    step_seconds = None
-    mfu = None
     optimal = xla_cost.get("optimal_seconds") if xla_cost else None
-    if optimal and cost.flops_once > 0:
-        step_seconds = float(optimal) * cost.flops / cost.flops_once
-        mfu = model_flops / (step_seconds * n * peak.bf16_flops_per_device)
+    step_seconds = step_estimate(optimal, cost)
+    mfu = None if step_seconds is None else model_flops / (step_seconds * n * peak.bf16_flops_per_device)
     notes.append(
         f"compiled FLOPs per device: XLA counts {cost.flops_once:.3e} with each loop once; with the loops' trip "
         f"counts ({', '.join(str(t) for t in cost.trip_counts.values()) or 'none'}) {cost.flops:.3e}"
@@ -578,7 +585,8 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         )
     else:
         notes.append(
-            f"no step time estimate: XLA:{'GPU' if gpu else 'TPU'}'s compiled program states no optimal_seconds"
+            f"no step time estimate: XLA:{'GPU' if gpu else 'TPU'}'s cost model gives "
+            f"{'no optimal_seconds' if optimal is None else f'optimal_seconds={optimal}'} for this program"
         )
     return report(
         peak_bytes_per_device=sum(parts.values()),
