@@ -17,7 +17,9 @@ import pytest
 import torch.distributed as dist
 
 from olmo_model import PEAKS, get_preset, hf_param_shapes
+from olmo_model.recipe import load_recipe
 from olmo_train_torch.cli import main
+from olmo_train_torch.dry_run import dry_run
 
 GIB = 2**30
 TINY = ["--model=tiny", "--train.sequence_length=256", "--train.global_batch_tokens=32768", "--train.precision=bf16"]
@@ -71,7 +73,7 @@ def test_a_layout_that_does_not_fit_exits_1_with_the_reason(capsys, tmp_path):
     """olmo3-32b's shapes cut to 10 layers on one GPU (no wrapper, ``MemTracker``): 5.9B parameters
     at 16 bytes each (fp32 weights and gradients, AdamW's two moments: 88 GiB) > the card's 79.65 GiB before any
     activation. Ten layers rather than a whole preset: the refusal comes after the tracked step, whose
-    cost grows with the layers (ops x tracked modules), and the path to it is the same."""
+    cost grows with the layers, and the path to it is the same."""
     spec = get_preset("olmo3-32b").replace(n_layers=10)
     assert 16 * sum(math.prod(s) for s in hf_param_shapes(spec).values()) > PEAKS["h100"].hbm_bytes
     spec_file = tmp_path / "spec.json"
@@ -105,3 +107,49 @@ def test_bad_requests_are_one_line_and_exit_2(capsys, args, expected):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("args", "devices"),
+    [
+        ([*TINY, "--torch.activation_checkpointing=true", "--train.micro_batch_size=1"], 64),  # FSDP2, 2 micro-steps
+        ([*TINY, "--torch.parallel=hsdp", "--torch.replicate=4", "--torch.activation_checkpointing=true"], 16),
+        ([*TINY, "--torch.activation_checkpointing=true"], 1),  # no wrapper: MemTracker
+        (["WIDE"], 1),  # peak in the optimizer step
+        (["WIDE"], 4),  # peak in the backward (a block's unsharded gradients)
+    ],
+)
+def test_peak_only_tracker_gives_the_bytes_of_torchs_tracker(args, devices, tmp_path):
+    """The dry run's trackers leave out torch's per-module peaks; the step's peak and every part
+    of it are the same bytes as with torch's FSDPMemTracker / MemTracker as they are. The tiny
+    layouts peak in the head's forward; WIDE (tiny made 256 wide with a 256-token vocabulary, 16
+    tokens per device) moves the peak to the optimizer step on one GPU and to the backward on 4."""
+    if args == ["WIDE"]:
+        spec = get_preset("tiny").replace(
+            d_model=256, mlp_hidden=768, vocab_size=256, padded_vocab_size=256, n_layers=2,
+            layer_types=("sliding_attention", "full_attention"),
+        )  # fmt: skip
+        spec_file = tmp_path / "wide.json"
+        spec_file.write_text(json.dumps(spec.model_dump(mode="json")))
+        args = [f"--model={spec_file}", "--train.sequence_length=16", f"--train.global_batch_tokens={16 * devices}"]
+        args.append("--train.precision=bf16")
+    recipe = load_recipe(None, args)
+    fast = dry_run(recipe, "h100", devices)
+    full = dry_run(recipe, "h100", devices, module_stats=True)
+    assert fast.memory_bytes == full.memory_bytes and len(fast.memory_bytes) >= 4
+    assert fast.peak_bytes_per_device == full.peak_bytes_per_device == sum(full.memory_bytes.values())
+    if args[0].endswith("wide.json"):  # the peak is past the forward: the gradients are in it
+        assert full.memory_bytes["grads"] > 0
+
+
+def test_accumulation_without_a_wrapper_holds_the_full_model_once(capsys):
+    """One GPU, micro_batch_size 8: 16 micro-steps (the first two and the last run), plain
+    ``MemTracker``. The fp32 weights and gradients are each the whole model once (the gradients
+    accumulate in place), AdamW's moments twice plus a 4-byte step per tensor."""
+    status, report = _dry(capsys, *TINY, "--train.micro_batch_size=8", "--dry-run", "--devices", "h100:1")
+    assert status == 0 and report["accumulation_steps"] == 16 and "MemTracker" in report["method"]
+    params, tensors = _sharded_bytes(1)
+    parts = report["memory_bytes"]
+    assert parts["params"] == parts["grads"] == params
+    assert parts["optimizer"] == 2 * params + 4 * tensors
+    assert report["peak_bytes_per_device"] == sum(parts.values())

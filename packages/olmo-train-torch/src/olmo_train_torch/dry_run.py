@@ -27,6 +27,16 @@ With ``torch.context_parallel = C`` the fake ranks form ``world / C`` context gr
 holds 1/C of each sequence (its zigzag chunks) and the step includes the K/V all-gathers of the
 global layers and the halo exchanges of the sliding ones (their buffers counted like any
 other tensor), as on the GPUs.
+
+The trackers are torch's with the per-module peaks left out. torch's also keep each module's
+own peak, refreshed at every op by a walk over every module seen so far (a cost of ops x modules),
+and the report reads no per-module figure: ``_PeakMemTracker`` and ``_PeakFSDPMemTracker`` keep
+the step's peak and its parts only, by torch's rule (a new peak when the total exceeds the last
+one), so the figures are the same bytes. Every hook that sorts storage by kind (gradients,
+FSDP2's gathered parameters and buffers, the recomputed block) is torch's, unchanged. Without a
+wrapper the per-module stats also start again at each micro-step's forward, which torch's
+``MemTracker`` refuses otherwise (one iteration per tracker). ``dry_run(..., module_stats=True)``
+runs torch's trackers as they are.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +81,130 @@ PARTS = {
     "Buffer": "other",
     "Other": "other",
 }
+_TOTAL = "Total"  # the trackers' key for the sum over the kinds
+
+
+def _check_tracker_internals() -> None:
+    """The private parts of torch's trackers that the peak-only trackers build on; a torch that
+    renamed them would otherwise leave the peak unrecorded or the per-module walk in place."""
+    missing = [
+        f"{cls.__name__}.{name}"
+        for cls, name in (
+            (MemTracker, "_update_peak_stats"),
+            (MemTracker, "_pre_fw_hook"),
+            (FSDPMemTracker, "_update_peak_stats"),
+        )
+        if not callable(getattr(cls, name, None))
+    ]
+    if "_curr_mem_snap" not in vars(MemTracker()):
+        missing.append("MemTracker()._curr_mem_snap")
+    if missing:
+        raise RuntimeError(
+            f"torch {torch.__version__}: {', '.join(missing)} not found; olmo_train_torch.dry_run's "
+            "peak-only trackers are written against torch 2.15's MemTracker and need updating"
+        )
+
+
+class _Peak:
+    """The step's peak by device: the largest total the tracker's running counts reached, and
+    the counts by kind at that moment (torch's rule: a new peak only when the total is larger)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[torch.device, int] = {}
+        self.parts: dict[torch.device, dict[str, int]] = {}
+        self.ops = 0  # updates seen: 0 after a step means torch stopped calling _update_peak_stats
+
+    def start(self, current: dict[torch.device, dict[str, int]]) -> None:
+        """The counts on entering the tracker (parameters, optimizer state, inputs) are the
+        first peak, as in torch's trackers."""
+        self.totals = {dev: counts[_TOTAL] for dev, counts in current.items()}
+        self.parts = {dev: dict(counts) for dev, counts in current.items()}
+
+    def update(self, current: dict[torch.device, dict[str, int]]) -> None:
+        self.ops += 1
+        for dev, counts in current.items():
+            if counts[_TOTAL] > self.totals.get(dev, 0):
+                self.totals[dev] = counts[_TOTAL]
+                self.parts[dev] = dict(counts)  # keys are str enums, values ints: a flat copy is a deep one
+
+
+class _PeakMemTracker(MemTracker):
+    """torch's ``MemTracker`` (one process, no wrapper) keeping the peak only (module docstring),
+    for the step of ``root``."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        super().__init__()
+        self.peak = _Peak()
+        self._root = root
+
+    def __enter__(self) -> _PeakMemTracker:
+        super().__enter__()
+        self.peak.start(self._curr_mem_snap)
+        return self
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        self.peak.update(self._curr_mem_snap)
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # The model's forward again, outside backward: the next micro-step. torch's tracker
+        # refuses a second iteration of the per-module stats; the peak needs none of them.
+        if module is self._root and not self._mod_tracker.is_bw:
+            self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)
+
+
+class _PeakFSDPMemTracker(FSDPMemTracker):
+    """torch's ``FSDPMemTracker`` keeping the peak only (module docstring)."""
+
+    def __init__(self, mod: torch.nn.Module, optm: torch.optim.Optimizer | None = None) -> None:
+        super().__init__(mod, optm)
+        self.peak = _Peak()
+
+    def __enter__(self) -> _PeakFSDPMemTracker:
+        super().__enter__()
+        self.peak.start(self._curr_mem_snap)
+        return self
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        self.peak.update(self._curr_mem_snap)
+
+
+def _tracker(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...], module_stats: bool
+) -> MemTracker:
+    """The tracker for ``model``'s step, with the tensors from before it registered: FSDP2 /
+    HSDP's, or the plain one; peak-only unless ``module_stats`` (torch's own, per-module peaks
+    kept)."""
+    tracker: MemTracker
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, optimizer) if module_stats else _PeakFSDPMemTracker(model, optimizer)
+        tracker.track_inputs(inputs)
+    else:
+        tracker = MemTracker() if module_stats else _PeakMemTracker(model)
+        tracker.track_external(model, optimizer, *inputs)
+    return tracker
+
+
+def _peak_parts(tracker: MemTracker) -> dict[str, int]:
+    """The tracker's peak on the CPU device (where the fake tensors live): the counts by kind
+    and ``Total``; checked to add up and to hold only kinds ``PARTS`` names."""
+    if isinstance(tracker, _PeakMemTracker | _PeakFSDPMemTracker):
+        if tracker.peak.ops == 0:
+            raise RuntimeError(
+                f"torch {torch.__version__}: the memory tracker ran the step without calling "
+                "_update_peak_stats; olmo_train_torch.dry_run's peak-only trackers need updating"
+            )
+        snapshot = tracker.peak.parts.get(CPU, {})
+    else:
+        snapshot = tracker.get_tracker_snapshot("peak").get(CPU, {})
+    kinds = {str(k.value) if hasattr(k, "value") else str(k): int(v) for k, v in snapshot.items()}
+    unknown = sorted(k for k, v in kinds.items() if v and k != _TOTAL and k not in PARTS)
+    if unknown or sum(v for k, v in kinds.items() if k != _TOTAL) != kinds.get(_TOTAL, 0):
+        raise RuntimeError(
+            f"torch {torch.__version__}: the memory tracker's peak {kinds} does not add up over the kinds "
+            f"olmo_train_torch.dry_run.PARTS names (unknown: {unknown}); PARTS needs updating"
+        )
+    return kinds
 
 
 @contextlib.contextmanager
@@ -124,9 +259,12 @@ def _with_moments(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
-    """Rank 0's memory for one step of ``recipe`` on ``count`` ranks of GPU kind ``device_kind``."""
+def dry_run(recipe: Recipe, device_kind: str, count: int, *, module_stats: bool = False) -> DryRunReport:
+    """Rank 0's memory for one step of ``recipe`` on ``count`` ranks of GPU kind ``device_kind``.
+    ``module_stats``: track with torch's trackers as they are (per-module peaks kept, which the
+    report does not read; slower by ops x modules), to check the peak-only ones against."""
     started = time.perf_counter()
+    _check_tracker_internals()
     peak = resolve_device_kind(device_kind)
     if peak.kind in TPU_KINDS:
         raise RecipeError(
@@ -185,13 +323,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         _with_moments(optimizer)
         rows = layout.per_device_batch * layout.accumulation_steps
         tensors = {k: torch.zeros((rows, seq), dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
-        tracker: MemTracker
-        if isinstance(model, FSDPModule):
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs(tuple(tensors.values()))
-        else:
-            tracker = MemTracker()
-            tracker.track_external(model, optimizer, *tensors.values())
+        tracker = _tracker(model, optimizer, tuple(tensors.values()), module_stats)
         with tracker:
             accumulate_gradients(model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, micro_steps=micro_steps)
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -200,7 +332,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
                 clip_gradients(params, recipe.optim.grad_clip, norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        snapshot = tracker.get_tracker_snapshot("peak").get(CPU, {})
+        snapshot = _peak_parts(tracker)
         mesh_shape = {"world": 1} if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape))
         if cp > 1:
             mesh_shape["context"] = cp
@@ -216,7 +348,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
         mesh=mesh_shape,
         per_device_batch=layout.per_device_batch,
         accumulation_steps=layout.accumulation_steps,
-        peak_bytes_per_device=int(snapshot.get("Total", 0)),
+        peak_bytes_per_device=snapshot.get(_TOTAL, 0),
         hbm_bytes_per_device=int(peak.hbm_bytes),
         memory_bytes=parts,
         compile_seconds=time.perf_counter() - started,
