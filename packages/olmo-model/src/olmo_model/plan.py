@@ -103,6 +103,7 @@ def _activation_values_per_token_layer(spec: ModelSpec, remat: str) -> float:
     return 6 * d + 3 * q + 4 * kv + 4 * ff
 
 
+# The TPU kinds of the peak table: olmo-plan plans them for the JAX trainer by default.
 TPU_KINDS = ("v5p", "v6e", "tpu7x")
 
 

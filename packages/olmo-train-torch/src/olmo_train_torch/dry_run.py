@@ -53,6 +53,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from olmo_model import flops_per_token, resolve_device_kind
+from olmo_model.plan import TPU_KINDS
 from olmo_model.recipe import Recipe, RecipeError, batch_layout
 from olmo_run.dry_run import DryRunReport
 
@@ -61,7 +62,6 @@ from .parallelize import Distributed, build_mesh, check_context_sequence, check_
 from .train import accumulate_gradients, clip_gradients, grad_global_norm, make_optimizer, prepare_model
 
 CPU = torch.device("cpu")
-TPU_KINDS = ("v5p", "v6e", "tpu7x")  # olmo-plan plans these for the JAX trainer
 
 # FSDPMemTracker's / MemTracker's kinds of storage -> the report's names for the parts of the peak.
 PARTS = {
