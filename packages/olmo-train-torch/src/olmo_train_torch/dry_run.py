@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.distributed as dist
@@ -128,22 +128,29 @@ class _Peak:
                 self.parts[dev] = dict(counts)  # keys are str enums, values ints: a flat copy is a deep one
 
 
-class _PeakMemTracker(MemTracker):
-    """torch's ``MemTracker`` (one process, no wrapper) keeping the peak only (module docstring),
-    for the step of ``root``."""
+class _PeakOnly(MemTracker):
+    """What both peak-only trackers change in torch's (module docstring): the per-module peak walk
+    at every op replaced by one ``_Peak`` record, started from the counts on entering."""
 
-    def __init__(self, root: torch.nn.Module) -> None:
-        super().__init__()
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
         self.peak = _Peak()
-        self._root = root
 
-    def __enter__(self) -> _PeakMemTracker:
+    def __enter__(self) -> Self:
         super().__enter__()
         self.peak.start(self._curr_mem_snap)
         return self
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         self.peak.update(self._curr_mem_snap)
+
+
+class _PeakMemTracker(_PeakOnly):
+    """torch's ``MemTracker`` (one process, no wrapper) keeping the peak only, for the step of ``root``."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        super().__init__()
+        self._root = root
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # The model's forward again, outside backward: the next micro-step. torch's tracker
@@ -153,20 +160,8 @@ class _PeakMemTracker(MemTracker):
         super()._pre_fw_hook(module, inputs)
 
 
-class _PeakFSDPMemTracker(FSDPMemTracker):
-    """torch's ``FSDPMemTracker`` keeping the peak only (module docstring)."""
-
-    def __init__(self, mod: torch.nn.Module, optm: torch.optim.Optimizer | None = None) -> None:
-        super().__init__(mod, optm)
-        self.peak = _Peak()
-
-    def __enter__(self) -> _PeakFSDPMemTracker:
-        super().__enter__()
-        self.peak.start(self._curr_mem_snap)
-        return self
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        self.peak.update(self._curr_mem_snap)
+class _PeakFSDPMemTracker(_PeakOnly, FSDPMemTracker):
+    """torch's ``FSDPMemTracker`` keeping the peak only."""
 
 
 def _tracker(
@@ -188,7 +183,7 @@ def _tracker(
 def _peak_parts(tracker: MemTracker) -> dict[str, int]:
     """The tracker's peak on the CPU device (where the fake tensors live): the counts by kind
     and ``Total``; checked to add up and to hold only kinds ``PARTS`` names."""
-    if isinstance(tracker, _PeakMemTracker | _PeakFSDPMemTracker):
+    if isinstance(tracker, _PeakOnly):
         if tracker.peak.ops == 0:
             raise RuntimeError(
                 f"torch {torch.__version__}: the memory tracker ran the step without calling "
