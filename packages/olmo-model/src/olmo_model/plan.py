@@ -28,8 +28,8 @@ JAX (TPU kinds, or ``--framework jax``): the fused step as XLA:TPU compiles it (
 sharded fp32 gradients (and accumulator) with the state, the output head's whole fp32 gradient with
 its copies, and the blocked attention's fp32 scores (``JAX_ATTENTION_SCORES``); within 11% of the
 compiler's peak (``olmo-train-jax --dry-run``) on olmo3-7b v5p:512 and v5p:128 and olmo3-32b
-v5p:512 (on tpu7x the compiler assigns olmo3-7b 1.5-1.6x this, its heap simulation within 10% of
-it: not refitted). On a GPU the step runs cuDNN's flash attention where it can (``jax_flash_attention``),
+v5p:512 (on tpu7x:256 the compiler assigns olmo3-7b 1.5x this and olmo3-32b 1.2x, its heap
+simulation within 10% of it: not refitted). On a GPU the step runs cuDNN's flash attention where it can (``jax_flash_attention``),
 which keeps no scores: the same model without that term, within 9% of XLA:GPU's compile of the
 olmo3-7b and olmo3-32b stage-1 recipes on h100:512 and h100:64.
 Context parallelism (``jax.mesh.context`` / ``torch.context_parallel`` = C): one sequence is split
