@@ -71,7 +71,7 @@ from olmo_run.dry_run import DryRunReport
 
 from . import sharding, train
 from .model import build_model
-from .moe import gemm_backend
+from .moe import recipe_gemm
 
 # Kinds XLA:TPU compiles for here: torus dimensions of the topology name (3D: v5p and tpu7x; 2D: v6e).
 TPU_TOPOLOGY_DIMS = {"v5p": 3, "v6e": 2, "tpu7x": 3}
@@ -322,7 +322,9 @@ def cudnn_attention_flops(line: str) -> float:
     head = int(re.search(r"= \(?\w+\[([\d,]+)\]", line).group(1).split(",")[-1])  # type: ignore[union-attr]
     window = int(config.get("sliding_window_length", 0) or 0)
     if "CAUSAL" in config.get("mask_type", "NO_MASK"):
-        seen = sum(min(i + 1, window) if window else i + 1 for i in range(Sq))
+        # Query i sees min(i + 1, W) keys: a triangle of W rows, then W keys per row.
+        w = window if 0 < window < Sq else Sq
+        seen = w * (w + 1) // 2 + (Sq - w) * w
     else:
         seen = Sq * (min(Sk, window) if window else Sk)
     passes = 5 if m.group(1).endswith("Backward") else 2
@@ -433,14 +435,6 @@ def step_estimate(optimal_seconds: float | None, cost: ScaledCost) -> float | No
     return float(optimal_seconds) * cost.flops / cost.flops_once
 
 
-def _experts_backend(recipe: Recipe, spec: Any, device: Any) -> str:
-    """The grouped GEMM the MoE layers would run on ``device`` (``moe.gemm_backend`` for ``auto``)."""
-    if recipe.jax.moe_gemm != "auto":
-        return recipe.jax.moe_gemm
-    dtype = jnp.bfloat16 if recipe.train.precision == "bf16" else jnp.float32
-    return gemm_backend(dtype, spec.d_model, spec.moe.expert_hidden, device)
-
-
 def _bytes_per_device(tree: Any) -> int:
     """Bytes one device holds of a tree of ShapeDtypeStructs with shardings."""
     return sum(
@@ -462,7 +456,7 @@ def dry_run(recipe: Recipe, device_kind: str, count: int) -> DryRunReport:
     topology, devices = target_devices(peak.kind, count)
     mesh = sharding.make_mesh(recipe.jax.mesh, devices)
     sharding.check_layout(mesh, recipe, spec, seq)
-    if gpu and spec.moe is not None and _experts_backend(recipe, spec, devices[0]) == "mgpu":
+    if gpu and recipe_gemm(recipe.jax.moe_gemm, spec, recipe.train.precision, devices[0]) == "mgpu":
         raise RecipeError(
             f"--devices {peak.kind}:{count}: this MoE step's grouped GEMM on {peak.kind} is JAX's Mosaic GPU kernels "
             "(jax.moe_gemm=auto's choice on Hopper, or set), which JAX traces only on the GPU itself "

@@ -276,6 +276,15 @@ def mgpu_unsupported(dtype, d_in: int, d_hidden: int, device: jax.Device) -> str
     return None
 
 
+def recipe_gemm(gemm: str, spec: ModelSpec, precision: str, device: jax.Device) -> str:
+    """The grouped GEMM an MoE ``spec``'s layers run on ``device`` at ``precision`` for the
+    recipe's ``jax.moe_gemm`` (``gemm_backend``'s choice for ``auto``)."""
+    if gemm != "auto" or spec.moe is None:
+        return gemm
+    dtype = jnp.bfloat16 if precision == "bf16" else jnp.float32
+    return gemm_backend(dtype, spec.d_model, spec.moe.expert_hidden, device)
+
+
 def check_gemm(gemm: str, spec: ModelSpec, precision: str, device: jax.Device) -> None:
     """Refuse ``jax.moe_gemm=mgpu`` where its kernels cannot run, in one line, before anything
     is written (the other backends run everywhere)."""
