@@ -13,8 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import resource
+import signal
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +67,23 @@ class NumpyModule:
     n_devices = 2
     peak = (1e12, "test peak 1 TFLOP/s")
 
-    def __init__(self, plan, calls: list[str], fail_at: int | None = None, nan_at: int | None = None):
+    def __init__(
+        self,
+        plan,
+        calls: list[str],
+        fail_at: int | None = None,
+        nan_at: int | None = None,
+        signals_at: dict[int, list[int]] | None = None,
+        peer_signal_at: int | None = None,
+        sleep_at: dict[int, float] | None = None,
+        eval_fail_at: int | None = None,
+    ):
         self.plan, self.calls, self.fail_at, self.nan_at = plan, calls, fail_at, nan_at
+        self.signals_at = signals_at or {}  # step -> signals this process sends itself during it
+        self.peer_signal_at = peer_signal_at  # step after which the other "process" reports SIGTERM
+        self.sleep_at = sleep_at or {}  # step -> seconds the step takes
+        self.eval_fail_at = eval_fail_at  # the eval after this step dies (a kill before its line)
+        self.step = 0
         self.weight = 1.0
         if plan.resume is not None:
             self.weight = plan.resume[2]["weight"]
@@ -71,6 +91,10 @@ class NumpyModule:
 
     def train_step(self, batch, step, lr, guard) -> StepResult:
         self.calls.append(f"step {step}")
+        self.step = step
+        for signum in self.signals_at.get(step, []):
+            os.kill(os.getpid(), signum)  # delivered mid-step, as a scheduler's would be
+        time.sleep(self.sleep_at.get(step, 0.0))
         if step == self.fail_at:
             raise RuntimeError("module failed")
         assert batch["input_ids"].shape == (self.plan.layout.global_batch, 32)
@@ -84,6 +108,8 @@ class NumpyModule:
 
     def evaluate(self):
         self.calls.append("eval")
+        if self.step == self.eval_fail_at:
+            raise RuntimeError("killed before the eval line")
         return {"held": {"loss": self.weight, "perplexity": math.exp(self.weight), "tokens": 128}}
 
     def state_is_finite(self) -> bool:
@@ -114,6 +140,8 @@ class NumpyModule:
 
     def all_gather_text(self, text: str) -> list[str]:
         # Two processes reading the same rows (a context-parallel pair) send the same line.
+        if self.peer_signal_at is not None and self.step >= self.peer_signal_at and text == "":
+            return [text, "SIGTERM"]  # the other process was signalled; this one was not
         return [text, text]
 
     def close(self) -> None:
@@ -364,3 +392,103 @@ def test_a_missing_sink_package_is_one_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(RecipeError, match=r"log.sinks: 'wandb' needs the wandb package; install olmo-run\[wandb\]"):
         check_sinks(Recipe.model_validate({"log": {"sinks": ["wandb"]}}))
+
+
+# ---- preemption (olmo_run.preempt) and the eval a stop left unwritten ------------------------------
+
+
+def comparable(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """The numbers of the metrics that do not depend on timing (loss, weight, lr, digest, eval)."""
+    keep = ("kind", "step", "loss", "lr", "weight", "batch_digest", "eval")
+    return [tuple(r.get(k) for k in keep) for r in records]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_step_checkpoints_that_step_and_the_rerun_continues_exactly(mixture, tmp_path, signum):
+    """The signal arrives during step 2 (no checkpoint due before 4): the step finishes, a
+    checkpoint of step 2 is committed, the lock is released, Preempted names the step; the
+    rerun resumes at 2 and its metrics equal an uninterrupted run's."""
+    from olmo_run.preempt import Preempted
+
+    reference = go(recipe_for(mixture, tmp_path / "reference"), [])
+    recipe = recipe_for(mixture, tmp_path / "run")
+    calls: list[str] = []
+    with pytest.raises(Preempted) as stopped:
+        go(recipe, calls, signals_at={2: [signum]})
+    assert stopped.value.step == 2 and stopped.value.signal_name == signal.Signals(signum).name
+    assert calls == ["step 1", "step 2", "save 2", "commit 2"]  # no step 3, no eval
+    assert [s for s, _ in complete_checkpoints(tmp_path / "run")] == [2]
+    assert not (tmp_path / "run" / "RUN_LOCK").exists()
+    assert (
+        signal.getsignal(signum) is not None
+        and signal.getsignal(signum)
+        == {
+            signal.SIGTERM: signal.SIG_DFL,
+            signal.SIGINT: signal.default_int_handler,
+        }[signum]
+    )  # the handlers are given back
+    rerun: list[str] = []
+    go(recipe, rerun)
+    assert rerun[0] == "step 3"
+    assert comparable(read_metrics(tmp_path / "run")) == comparable(read_metrics(reference))
+
+
+def test_a_stop_at_an_eval_step_and_a_kill_before_a_middle_eval_get_that_eval_on_resume(mixture, tmp_path):
+    """Preempted after step 3 (eval due at 3, checkpoint every 3): the checkpoint is written and
+    the eval skipped; the rerun evaluates step 3 before training on. A kill between the step-3
+    checkpoint and its eval line (the eval dies): the same."""
+    from olmo_run.preempt import Preempted
+
+    reference = go(recipe_for(mixture, tmp_path / "reference", "--checkpoint.every=3"), [])
+    for name, stop in (("preempted", {"signals_at": {3: [signal.SIGTERM]}}), ("killed", {"eval_fail_at": 3})):
+        recipe = recipe_for(mixture, tmp_path / name, "--checkpoint.every=3")
+        with pytest.raises((Preempted, RuntimeError)):
+            go(recipe, [], **stop)
+        assert [s for s, _ in complete_checkpoints(tmp_path / name)] == [3], name
+        assert not any(r["kind"] == "eval" for r in read_metrics(tmp_path / name)), name
+        rerun: list[str] = []
+        go(recipe, rerun)
+        assert rerun[:2] == ["eval", "step 4"], name
+        assert comparable(read_metrics(tmp_path / name)) == comparable(read_metrics(reference)), name
+
+
+def test_processes_stop_together_when_only_another_one_was_signalled(mixture, tmp_path):
+    """This process never sees a signal; the gather after step 2 says the other one did: it stops
+    at the same step, with the checkpoint, as the signalled one does."""
+    from olmo_run.preempt import Preempted
+
+    calls: list[str] = []
+    with pytest.raises(Preempted, match="after step 2"):
+        go(recipe_for(mixture, tmp_path / "run"), calls, peer_signal_at=2)
+    assert calls == ["step 1", "step 2", "save 2", "commit 2"]
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [("second", "second signal (SIGTERM) while stopping"), ("timeout", "no end 0.5 s after SIGTERM")],
+)
+def test_a_second_signal_or_the_timeout_exits_at_once(mixture, tmp_path, case, expected):
+    """In a child process (it leaves with os._exit): a second SIGTERM during the stop, or a step
+    that outlasts checkpoint.preempt_timeout_s after the first, ends it at once: status 143, one
+    line, the lock released, no checkpoint of the interrupted stop."""
+    child = subprocess.run(
+        [sys.executable, __file__, case, str(mixture), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 128 + signal.SIGTERM, child.stderr
+    assert f"{expected}: exiting at once without a new checkpoint" in child.stderr
+    assert complete_checkpoints(tmp_path / "run") == []
+    assert not (tmp_path / "run" / "RUN_LOCK").exists()
+
+
+if __name__ == "__main__":  # the child of test_a_second_signal_or_the_timeout_exits_at_once
+    case, mixture_path, run_path = sys.argv[1:]
+    args = ("--checkpoint.preempt_timeout_s=0.5",)
+    stop: dict[str, Any] = (
+        {"signals_at": {2: [signal.SIGTERM, signal.SIGTERM]}}
+        if case == "second"
+        else {"signals_at": {2: [signal.SIGTERM]}, "sleep_at": {2: 5.0}}
+    )
+    go(recipe_for(Path(mixture_path), Path(run_path), *args), [], **stop)

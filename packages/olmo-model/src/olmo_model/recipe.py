@@ -89,6 +89,8 @@ class CheckpointSection(_Section):
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
     fallback: bool = False  # newest checkpoint damaged: resume from the newest older one that verifies (loudly)
     allow_recipe_change: bool = False  # resume although precision/optim/schedule/batch/steps changed (loudly)
+    preempt_timeout_s: float = Field(300.0, gt=0)  # after SIGTERM/SIGINT: exit at once if not ended by then
+    preempt_check_every: int = Field(1, gt=0)  # multi-process: steps between agreeing on a stop signal
 
 
 class InitSection(_Section):

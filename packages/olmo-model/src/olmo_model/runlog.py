@@ -787,9 +787,14 @@ def final_eval_pending(run_dir: RunPath, step: int, held_out: list[str]) -> bool
 
     if not _exists(run_dir / "loss.png") and importlib.util.find_spec("matplotlib") is not None:
         return True
-    if not held_out or not _exists(run_dir / "metrics.jsonl"):
-        return bool(held_out)
-    return not any(r.get("kind") == "eval" and r.get("step") == step for r in read_metrics(run_dir))
+    return bool(held_out) and not eval_logged(run_dir, step)
+
+
+def eval_logged(run_dir: RunPath, step: int) -> bool:
+    """Whether the run dir's metrics.jsonl holds an eval line of ``step``."""
+    if not _exists(run_dir / "metrics.jsonl"):
+        return False
+    return any(r.get("kind") == "eval" and r.get("step") == step for r in read_metrics(run_dir))
 
 
 def plot_loss(run_dir: RunPath) -> Path | None:

@@ -5,7 +5,9 @@ recipe key with its default and meaning; ``--print-recipe`` prints the resolved 
 A dry run exits 0 when the step fits the devices and 1 when it does not. Bad input (a recipe,
 spec, data or checkpoint problem) is one line on stderr and exit status 2, before anything is
 written; a run that diverges is one line and exit status 3, with the newest checkpoint the last
-good state.
+good state. SIGTERM or SIGINT (``olmo_run.preempt``): the step in flight finishes, a checkpoint
+of it is committed, one line, exit status 4 (rerun the same command to resume); a second signal,
+or ``checkpoint.preempt_timeout_s`` without an end, exits at once with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from olmo_model.recipe_help import recipe_help
 from olmo_model.runlog import TrainingDivergedError, TrainingStateError
 
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
+from .preempt import EXIT_PREEMPTED, Preempted
 
 # Bad input, as opposed to a bug, whichever trainer reads it (each adds its own weight errors).
 INPUT_ERRORS: tuple[type[Exception], ...] = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError)
@@ -66,6 +69,10 @@ def run_cli(
         if reports():
             print(f"{prog}: stopped: {err}", file=sys.stderr, flush=True)
         return 3
+    except Preempted as err:
+        if reports():
+            print(f"{prog}: preempted: {err}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     finally:
         if cleanup is not None:
             cleanup()

@@ -46,6 +46,8 @@ from olmo_model.runlog import (
     MetricsLog,
     ProgressConsole,
     SpikeGuard,
+    checkpoint_dir,
+    eval_logged,
     final_eval_pending,
     find_resume,
     plot_loss,
@@ -59,6 +61,7 @@ from olmo_model.storage import RunPath, URLPath, backend, local_copy
 from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
 from olmo_run.lock import RunLock
 from olmo_run.lock import acquire as acquire_run_lock
+from olmo_run.preempt import Preempted, PreemptionWatch
 from olmo_run.sinks import open_sinks
 
 # Process 0's marker in the run dir while the processes check that they share it.
@@ -299,10 +302,18 @@ class Run:
     """One run of a plan with a trainer's module: the loop and what surrounds it."""
 
     def __init__(
-        self, plan: RunPlan, module: TrainModule, console: ProgressConsole, is_main: bool, lock: RunLock | None = None
+        self,
+        plan: RunPlan,
+        module: TrainModule,
+        console: ProgressConsole,
+        is_main: bool,
+        lock: RunLock | None = None,
+        watch: PreemptionWatch | None = None,
     ):
         self.plan, self.module, self.console, self.is_main = plan, module, console, is_main
         self.lock = lock  # the run-dir lock process 0 holds; its heartbeat is refreshed every step
+        self.watch = watch  # SIGTERM / SIGINT seen (olmo_run.preempt)
+        self.n_processes = len(module.all_gather_text(""))  # one gather at start: is agreement needed?
         self.recipe = plan.recipe
         self.guard = SpikeGuard.from_recipe(self.recipe)
         self.metrics = MetricsLog(plan.run_dir, resume_step=plan.start_step, enabled=is_main)
@@ -413,6 +424,8 @@ class Run:
         r, total, start = self.recipe, self.plan.total_steps, self.plan.start_step
         batches = iter(self.plan.loader)
         try:
+            if self.eval_pending(start):
+                self.evaluate(start)
             for step in range(start + 1, total + 1):
                 self.trace(step)
                 # The step time includes waiting for the batch, not checkpointing or evaluation.
@@ -426,14 +439,18 @@ class Run:
                 if step % r.log.every == 0 or step == total:
                     self.log(step, lr, result, step_time, data_wait, batch)
                 self.console.advance(f"loss {result.loss:.4f}")
-                if step % r.checkpoint.every == 0 or step == total:
+                saved = step % r.checkpoint.every == 0 or step == total
+                if saved:
                     self.save(step)
+                stop = self.preempt_requested(step)
+                if stop:  # its eval, if one was due, runs when the run resumes here
+                    if not saved:
+                        self.save(step)
+                    raise Preempted(stop, step, str(checkpoint_dir(self.plan.run_dir, step)))
                 if step % r.eval.every == 0 or step == total:
                     self.evaluate(step)
                 if self.lock is not None:
                     self.lock.refresh()  # a write at most every lock.HEARTBEAT_S
-            if start == total:  # the final checkpoint was written but the run ended before its eval
-                self.evaluate(total)
             self.trace(total + 1)
         finally:
             batches.close()  # stops the loader's prefetch threads
@@ -445,6 +462,28 @@ class Run:
                 sink.close()
             if self.sinks:
                 self.upload_local("tensorboard")
+
+    def eval_pending(self, step: int) -> bool:
+        """Whether the resumed-at ``step`` was due an evaluation that the run dir lacks: a run
+        stopped (killed, preempted) between that checkpoint and its eval line gets it now, so
+        no point of the held-out curve is lost; the final one included."""
+        if step == 0 or not self.plan.mixture.held_out_sources:
+            return False
+        if step % self.recipe.eval.every != 0 and step != self.plan.total_steps:
+            return False
+        return not eval_logged(self.plan.run_dir, step)
+
+    def preempt_requested(self, step: int) -> str:
+        """The signal that stops the run after ``step`` ("" for none), the same on every process:
+        one process's flag stops them all. With several processes they agree by a gather every
+        ``checkpoint.preempt_check_every`` steps (and at the last step); one process needs none."""
+        local = (self.watch.signal_name if self.watch is not None else None) or ""
+        if self.n_processes == 1:
+            return local
+        every = self.recipe.checkpoint.preempt_check_every
+        if step % every != 0 and step != self.plan.total_steps:
+            return ""
+        return next((name for name in self.module.all_gather_text(local) if name), "")
 
     def trace(self, step: int) -> None:
         """Before ``step``: start the profiler at ``profile.start_step``, stop it after the last
@@ -509,9 +548,11 @@ def run(
             console.line(line)
         console.line(f"batch layout: {plan.layout.describe()} (sequence length {plan.sequence_length})")
         prepare_run_dir(plan.recipe, plan.spec, is_main, resumed_at=plan.resume[0] if plan.resume else None)
-        module = build_module()
-        the_run = Run(plan, module, console, is_main, lock)
-        the_run.loop()
+        prog = title.split(":")[0]
+        with PreemptionWatch(prog, plan.recipe.checkpoint.preempt_timeout_s, lock.release if lock else None) as watch:
+            module = build_module()
+            the_run = Run(plan, module, console, is_main, lock, watch)
+            the_run.loop()
         the_run.finish(title)
     finally:
         if lock is not None:

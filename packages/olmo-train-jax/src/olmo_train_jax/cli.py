@@ -8,6 +8,10 @@ of 16 x 512 tokens). A recipe, spec, data or checkpoint problem prints one line 
 and exits with status 2, before anything is written to the run dir. A run that diverges (a
 non-finite loss or state, or too many skipped steps in a row) stops with one line and status
 3, before any checkpoint of the bad state is written.
+SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C): the step in flight
+finishes, its checkpoint is committed, one line, exit status 4; rerun the same command to
+resume. A second signal (or checkpoint.preempt_timeout_s without an end) exits at once with
+status 128 + the signal number, keeping the newest committed checkpoint.
 """
 
 from __future__ import annotations
