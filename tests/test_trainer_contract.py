@@ -11,7 +11,8 @@ at steps 10 and 20) is the reference the tests compare against:
    data order defines for that step;
 2. SIGKILL right after the step-10 checkpoint, then a restart: every step's loss, grad norm, LR
    and batch digest, and the final held-out loss, bitwise the uninterrupted run's; SIGKILL
-   between the last checkpoint and the final eval: the rerun trains nothing and writes that eval;
+   between a checkpoint and its eval (step 10 or the final one): the rerun writes that eval;
+   SIGTERM during step 5: a checkpoint of step 5, exit status 4, and a bitwise resume;
 3. bad input (an unknown recipe key, a batch the layout cannot split, a checkpoint of another
    spec, a changed mixture on resume) exits 2 with one line and leaves the run dir as it was,
    byte for byte and mtime for mtime; a finished run restarted exits 0 and writes nothing;
@@ -107,17 +108,21 @@ def cli_main(framework: str) -> Callable[[list[str]], int]:
     return importlib.import_module(f"olmo_train_{framework}.cli").main
 
 
-def run_cli(framework: str, args: list[str], ranks: int = 1, kill_after: int | None = None):
+def run_cli(
+    framework: str, args: list[str], ranks: int = 1, kill_after: int | None = None, signal_at: int | None = None
+):
     """The trainer's CLI in a fresh process: JAX on ``ranks`` simulated CPU devices, torch as one
     process or, for ``ranks`` > 1, that many under torchrun (gloo). With ``kill_after`` it
     SIGKILLs itself right after the step-N checkpoint is committed
-    (tests/support/kill_after_checkpoint.py)."""
+    (tests/support/kill_after_checkpoint.py); with ``signal_at`` it gets SIGTERM during step N
+    (tests/support/signal_at_step.py)."""
+    stops = {"kill_after": kill_after, "signal_at": signal_at}
     if framework == "jax":
         # Forked with JAX and the trainer imported (tests/support/ranks.py), XLA_FLAGS its own.
         env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={ranks}"}
-        return run_cli_forked("jax", args, env=env, timeout=900, kill_after=kill_after)
+        return run_cli_forked("jax", args, env=env, timeout=900, **stops)
     if ranks == 1:  # one torch process, forked the same way; the elastic test's two ranks: torchrun
-        return run_cli_forked("torch", args, env={"OMP_NUM_THREADS": "1"}, timeout=900, kill_after=kill_after)
+        return run_cli_forked("torch", args, env={"OMP_NUM_THREADS": "1"}, timeout=900, **stops)
     entry = None if kill_after is None else [str(KILL_SCRIPT), "torch", str(kill_after)]
     return run_cli_launched("torch", args, ranks, entry=entry)  # one intra-op thread, as one_torch_thread
 
@@ -251,20 +256,51 @@ def test_sigkill_after_a_checkpoint_then_resume_is_bitwise_the_uninterrupted_run
     assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
 
 
-def test_a_kill_between_the_last_checkpoint_and_the_final_eval_is_finished_by_a_rerun(reference, mixture, tmp_path):
+@pytest.mark.parametrize("kill_at", [10, STEPS])
+def test_a_kill_between_a_checkpoint_and_its_eval_is_made_good_by_the_rerun(reference, mixture, tmp_path, kill_at):
+    """A middle eval (step 10) and the final one (step 20): the rerun writes the missing one
+    before it trains on (or, at the end, instead of training)."""
     run_dir = tmp_path / "killed"
-    # A synchronous save commits step 20's checkpoint (and the kill follows) before step 20's eval.
+    # A synchronous save commits the step's checkpoint (and the kill follows) before its eval.
     args = [*ARGS, "--checkpoint.async_save=false", f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
-    killed = run_cli(reference.framework, args, kill_after=STEPS)
+    killed = run_cli(reference.framework, args, kill_after=kill_at)
     assert killed.returncode == -9, killed.stderr[-3000:]
-    assert [s for s, _ in complete_checkpoints(run_dir)] == [10, 20]
-    assert sorted(evals(run_dir)) == [10] and not (run_dir / "loss.png").exists()
+    assert [s for s, _ in complete_checkpoints(run_dir)] == list(range(10, kill_at + 1, 10))
+    assert sorted(evals(run_dir)) == list(range(10, kill_at, 10)) and not (run_dir / "loss.png").exists()
     assert reference.main(args) == 0
-    # Step 10's eval from the killed run, step 20's from the rerun on the restored weights: the
-    # same layout and kernels as the reference, so the same bits.
+    # Every eval and step on the same layout and kernels as the reference (the missing eval on
+    # the restored weights), so the same bits.
     assert evals(run_dir) == evals(reference.run_dir)
     assert (run_dir / "loss.png").stat().st_size > 0
-    assert sorted(train_lines(run_dir)) == list(range(1, STEPS + 1))  # nothing trained twice
+    want, got = train_lines(reference.run_dir), train_lines(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))  # nothing trained twice
+    assert all(got[s]["loss"] == want[s]["loss"] for s in got)
+
+
+def test_sigterm_mid_run_commits_the_step_in_flight_and_the_rerun_is_bitwise(reference, mixture, tmp_path):
+    """SIGTERM while step 5 is in flight (no checkpoint due before 10): the step finishes, its
+    checkpoint is committed, RUN_LOCK is released, one line, exit status 4; the rerun resumes at
+    5 and every step's numbers and the evals are the uninterrupted run's bits."""
+    run_dir = tmp_path / "preempted"
+    args = [*ARGS, f"--data.mixture={mixture}", f"--run_dir={run_dir}"]
+    stopped = run_cli(reference.framework, args, signal_at=5)
+    assert stopped.returncode == 4, stopped.stderr[-3000:]
+    prog = f"olmo-train-{reference.framework}"
+    assert [line for line in stopped.stderr.splitlines() if line.startswith(prog)] == [
+        f"{prog}: preempted: SIGTERM received: stopped after step 5 with its checkpoint committed "
+        f"({checkpoint_dir(run_dir, 5)}); rerun the same command to resume"
+    ]
+    assert [s for s, _ in complete_checkpoints(run_dir)] == [5]
+    assert sorted(train_lines(run_dir)) == [1, 2, 3, 4, 5] and not (run_dir / "RUN_LOCK").exists()
+    resumed = run_cli(reference.framework, args)
+    check_ok(resumed)
+    assert f"resumed from {checkpoint_dir(run_dir, 5)} at step 5" in resumed.stdout
+    want, got = train_lines(reference.run_dir), train_lines(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    keys = ("loss", "grad_norm", "lr", "batch_digest")
+    for step in range(1, STEPS + 1):
+        assert [got[step][k] for k in keys] == [want[step][k] for k in keys], step  # == on purpose
+    assert evals(run_dir) == evals(reference.run_dir)
 
 
 # ---- 3. bad input ---------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ PRELOAD = [
     "ranks",
     "kill_after_checkpoint",
     "kill_during_checkpoint",
+    "signal_at_step",
     "torch",
     "torch.distributed",
     "olmo_train_torch.train",
@@ -128,6 +129,7 @@ def _cli_entry(
     out: str,
     err: str,
     kill_during: int | None = None,
+    signal_at: int | None = None,
 ) -> None:
     """One process of ``run_cli_forked``: this run's environment, stdout/stderr to files, the CLI."""
     _as_child(env, out, err)
@@ -143,6 +145,10 @@ def _cli_entry(
         import kill_during_checkpoint
 
         kill_during_checkpoint.install(framework, kill_during)
+    if signal_at is not None:
+        import signal_at_step
+
+        signal_at_step.install(signal_at)
     sys.exit(importlib.import_module(f"olmo_train_{framework}.cli").main(argv))
 
 
@@ -196,13 +202,15 @@ def run_cli_forked(
     timeout: float = 300,
     kill_after: int | None = None,
     kill_during: int | None = None,
+    signal_at: int | None = None,
 ) -> subprocess.CompletedProcess:
     """``olmo-train-{framework} ARGS`` as one process or ``nproc`` torch ranks (the module docstring);
     with ``kill_after`` each rank SIGKILLs itself right after the step-N checkpoint commits
     (tests/support/kill_after_checkpoint.py), with ``kill_during`` right before it commits, all
-    its files written (tests/support/kill_during_checkpoint.py). Returns what ``subprocess.run``
-    would: the exit status of the one process (negative for a signal), or torchrun's (0, or 1
-    when a rank failed), and every rank's stdout and stderr, rank 0 first."""
+    its files written (tests/support/kill_during_checkpoint.py), with ``signal_at`` rank 0 gets
+    SIGTERM while step N is in flight (tests/support/signal_at_step.py). Returns what
+    ``subprocess.run`` would: the exit status of the one process (negative for a signal), or
+    torchrun's (0, or 1 when a rank failed), and every rank's stdout and stderr, rank 0 first."""
     assert framework in ("jax", "torch") and (framework == "torch" or nproc == 1), (framework, nproc)
     assert kill_after is None or kill_during is None, (kill_after, kill_during)
     multiprocessing.set_forkserver_preload(PRELOAD)
@@ -225,7 +233,8 @@ def run_cli_forked(
                 )
             out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
             proc = ctx.Process(
-                target=_cli_entry, args=(framework, list(args), rank_env, kill_after, out, err, kill_during)
+                target=_cli_entry,
+                args=(framework, list(args), rank_env, kill_after, out, err, kill_during, signal_at),
             )
             proc.start()
             procs.append(proc)

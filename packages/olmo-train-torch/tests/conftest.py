@@ -72,13 +72,16 @@ def run_trainer(
     env: dict[str, str] | None = None,
     timeout: float = 300,
     kill_after: int | None = None,
+    signal_at: int | None = None,
 ):
     """Run olmo-train-torch's entry point (``cli.main``) as one process or ``nproc`` gloo ranks
     with torchrun's environment, forked with torch already imported (tests/support/ranks.py
     ``run_cli_forked``; real torchrun: the tests about the launch, ``run_cli_launched``). With
     ``kill_after`` rank 0 SIGKILLs itself right after the step-N checkpoint is committed
-    (tests/support/kill_after_checkpoint.py)."""
-    return run_cli_forked("torch", args, nproc, {"OMP_NUM_THREADS": "1", **(env or {})}, timeout, kill_after)
+    (tests/support/kill_after_checkpoint.py); with ``signal_at`` rank 0 alone gets SIGTERM
+    during step N (tests/support/signal_at_step.py)."""
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    return run_cli_forked("torch", args, nproc, env, timeout, kill_after, signal_at=signal_at)
 
 
 def train_lines(run_dir: Path) -> list[dict]:

@@ -1,6 +1,8 @@
 """Exact resume over two processes: 6 uninterrupted steps vs 3 steps + SIGKILL of rank 0 right
-after the step-3 checkpoint (tests/support/kill_after_checkpoint.py) + restart, both under
-torchrun's environment (FSDP2 over gloo, synchronous save). Steps 4-6 must be bitwise equal:
+after the step-3 checkpoint (tests/support/kill_after_checkpoint.py) + restart, and vs SIGTERM
+to rank 0 alone during step 2 (tests/support/signal_at_step.py: both ranks stop after step 2
+with its checkpoint, exit status 4) + restart, all under torchrun's environment (FSDP2 over
+gloo, synchronous save). The resumed steps must be bitwise equal:
 equality of bits does not depend on how many steps follow the restored state, so a few steps on
 each side of the checkpoint prove it. The one-process case, the same contract as the JAX
 trainer's, is the root tests/test_trainer_contract.py."""
@@ -39,3 +41,17 @@ def test_exact_resume_two_processes(harness, mixture, tmp_path):
     assert [s for s, _ in complete_checkpoints(run_dir)] == [KILL_AT]
     harness.check_ok(harness.run(harness.args(mixture, run_dir, *args), nproc=2))
     _assert_resumed_bitwise(harness, reference, run_dir)
+
+    preempted = tmp_path / "preempted"
+    stopped = harness.run(harness.args(mixture, preempted, *args), nproc=2, signal_at=2)
+    lines = [line for line in stopped.stderr.splitlines() if line.startswith("olmo-train-torch")]
+    # Rank 0's line (only rank 0 reports); rank 1, never signalled, stopped at the same step.
+    assert lines == [
+        "olmo-train-torch: preempted: SIGTERM received: stopped after step 2 with its checkpoint committed "
+        f"({preempted / 'checkpoints' / 'step_00000002'}); rerun the same command to resume"
+    ], stopped.stderr[-3000:]
+    assert [s for s, _ in complete_checkpoints(preempted)] == [2]
+    assert [r["step"] for r in harness.train_lines(preempted)] == [1, 2]
+    assert not (preempted / "RUN_LOCK").exists()
+    harness.check_ok(harness.run(harness.args(mixture, preempted, *args), nproc=2))
+    _assert_resumed_bitwise(harness, reference, preempted)
