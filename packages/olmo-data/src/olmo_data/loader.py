@@ -81,6 +81,10 @@ class MixtureLoader:
         self.dp_ranks = ranks
         self.dp_size = dp_size
         self.step = start_step  # the next global batch to yield = global batches consumed so far
+        # Set (to the reason and the fix) while something else hands this loader's batches to
+        # training and cannot keep `step` equal to what training received: state_dict() then
+        # refuses rather than return a stale step (olmo_data.torch_data.MixtureDataset sets it).
+        self._state_unknown: str | None = None
         self.prefetch = prefetch
         self.read_concurrency = read_concurrency
         files = [f for group in (*self.mixture.training_files, *self.mixture.held_out_files) for f in group]
@@ -149,11 +153,23 @@ class MixtureLoader:
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
+        """The state after the batches training received so far (`state_at(self.step)`).
+        DataError if this loader's batches go through a reader that cannot tell it what was
+        consumed (a torch DataLoader over `MixtureDataset`): the message names the fix."""
+        if self._state_unknown is not None:
+            raise DataError(f"{self.mixture.path}: MixtureLoader.state_dict() {self._state_unknown}")
+        return self.state_at(self.step)
+
+    def state_at(self, step: int) -> dict[str, Any]:
+        """The state to save when global batch `step` is the next one to train on (pure, as
+        `batch_at`): `load_state_dict` of it continues at batch `step`."""
+        if step < 0:
+            raise ValueError(f"state_at: step must be >= 0, got {step}")
         return {
             "fingerprint": self.mixture.fingerprint(),
             "seed": self.mixture.seed,
-            "step": self.step,
-            "tokens_consumed": self.step * self.tokens_per_global_batch,
+            "step": int(step),
+            "tokens_consumed": int(step) * self.tokens_per_global_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any], allow_fingerprint_mismatch: bool = False) -> None:
