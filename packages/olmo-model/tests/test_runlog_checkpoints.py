@@ -169,7 +169,6 @@ def test_a_checkpoint_from_before_checksums_resumes_with_a_warning(run, capsys):
         ("--optim.betas=[0.9, 0.99]", "optim.betas", "[0.9, 0.95]", "[0.9, 0.99]"),
         ("--schedule.warmup_steps=5", "schedule.warmup_steps", "10", "5"),
         ("--schedule.kind=constant", "schedule.kind", "'cosine'", "'constant'"),
-        ("--train.global_batch_tokens=4096", "train.global_batch_tokens", "8192", "4096"),
         ("--train.sequence_length=128", "train.sequence_length", "64", "128"),
         ("--train.document_masking=true", "train.document_masking", "False", "True"),
         ("--train.steps=60", "train.steps", "40", "60"),
@@ -189,6 +188,24 @@ def test_allow_recipe_change_continues_and_names_each_change_loudly(run, capsys)
     loud = [line for line in capsys.readouterr().err.splitlines() if line.startswith("!!!")]
     assert [line.split(": ")[1].split(" changed")[0] for line in loud] == ["train.precision", "optim.lr"]
     assert all("checkpoint.allow_recipe_change=true" in line for line in loud)
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_a_new_global_batch_size_is_refused_even_with_allow_recipe_change(run, allow):
+    # The data order maps step N to the sequences [N*B, (N+1)*B): at another B, step 20 on would
+    # skip or repeat data, so no flag lets it through; the fix is a new stage from the checkpoint.
+    loader = FakeLoader()
+    recipe = recipe_for(run, "--train.global_batch_tokens=4096", f"--checkpoint.allow_recipe_change={allow}")
+    with pytest.raises(TrainingStateError) as err:
+        find_resume(run, recipe, recipe.model_spec(), "jax", loader, recipe.total_steps())
+    message = str(err.value)
+    ckpt = checkpoint_dir(run, 20)
+    assert "\n" not in message
+    assert f"{ckpt}: the recipe changes train.global_batch_tokens from 8192 (checkpoint) to 4096" in message
+    assert "even with checkpoint.allow_recipe_change" in message and "skip or repeat data" in message
+    assert "set it back to 8192" in message
+    assert f"new run_dir (--init.checkpoint={ckpt} --init.load_optimizer=true" in message
+    assert loader.step == 0  # refused before the loader state was restored
 
 
 def test_layout_and_cadence_stay_changeable(run, capsys):
@@ -233,7 +250,8 @@ def test_clean_orphans_removes_what_interrupted_saves_and_writes_left(run, capsy
     root = run / "checkpoints"
     gone, alive = dead_pid(), os.getpid()
     (root / "step_00000005" / "state").mkdir(parents=True)  # an interrupted prune or save, older
-    (root / "step_00000030" / "state").mkdir(parents=True)  # an interrupted save, newer: kept
+    # an interrupted or failed save, newer than the newest complete checkpoint: never resumed from
+    (root / "step_00000030" / "state.orbax-checkpoint-tmp").mkdir(parents=True)
     (root / f".convert-{gone}" / "checkpoints").mkdir(parents=True)
     stale = [
         run / f".recipe.yaml.tmp-{gone}",
@@ -244,8 +262,8 @@ def test_clean_orphans_removes_what_interrupted_saves_and_writes_left(run, capsy
     for p in (*stale, live):
         p.write_text("partial")
     clean_orphans(run)
-    assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020", "step_00000030"]
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000010", "step_00000020"]
     assert not any(p.exists() for p in stale) and live.exists()
-    assert len(capsys.readouterr().out.splitlines()) == 5
+    assert len(capsys.readouterr().out.splitlines()) == 6
     assert [s for s, _ in complete_checkpoints(run)] == [10, 20]
     assert resume(run)[0] == 20

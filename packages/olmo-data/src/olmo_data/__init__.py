@@ -9,6 +9,7 @@ files, `load_mixture` a mixture YAML (its `training_sources`, `held_out_sources`
 `read_instances` (the batch arrays of any windows of a source), `eval_instances` and
 `ShardWriter`."""
 
+import olmo_data._grain  # noqa: F401  (first: imports grain without its jax-profiler warning)
 from olmo_data.errors import DataError, ShardCorruptError
 from olmo_data.fileio import StorageError
 from olmo_data.leakage import LeakageError, LeakageReport, assert_no_leakage, check_leakage, open_training_mixture

@@ -402,6 +402,8 @@ def _translate(exc: BaseException, url: str, op: str, fs: Any) -> StorageError |
             return StorageNotFoundError(f"{url}: no such file; check the path")
         if isinstance(exc, PermissionError):
             return StoragePermissionError(f"{url}: permission denied ({op}); fix the file's permissions or the path")
+        if isinstance(exc, IsADirectoryError):
+            return StorageError(f"{url}: is a folder, not a file; name a file inside it")
         return None
     scheme, bucket = url.split("://", 1)[0], _bucket(url)
     if scheme == "s3" and (names & _NO_CREDENTIALS):

@@ -195,8 +195,12 @@ class MixtureLoader:
                     "--data.allow_fingerprint_mismatch=true (recipe field data.allow_fingerprint_mismatch)"
                 )
             log.warning(
-                "!!! %s; continuing at step %d anyway because data.allow_fingerprint_mismatch=true !!!",
+                "!!! %s; continuing at step %d anyway because data.allow_fingerprint_mismatch=true. The data "
+                "order is keyed by the fingerprint, so the whole remaining order is reshuffled: batches from "
+                "step %d on are drawn from the new mixture's order and differ from the original run's (some "
+                "documents already trained on come again, some never come) !!!",
                 message,
+                state["step"],
                 state["step"],
             )
         if state["tokens_consumed"] != state["step"] * self.tokens_per_global_batch:

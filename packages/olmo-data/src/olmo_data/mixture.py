@@ -104,6 +104,39 @@ class MixtureConfig(_Strict):
         return self
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """Safe YAML that refuses a mapping key given twice: PyYAML keeps the last one silently, so a
+    second `seed:` would change the data order without a word. (olmo_model.yamlfile does the same
+    for recipes; the two packages do not depend on each other.)"""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # a non-scalar key is refused by SafeLoader itself; `<<` merges may repeat
+            key = self.construct_object(key_node)
+            if key in first_line:
+                raise _DuplicateKey(
+                    None, None, f"key {key!r} is given twice (first on line {first_line[key] + 1})", key_node.start_mark
+                )
+            first_line[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def _yaml_message(path: Path | str, err: yaml.YAMLError) -> str:
+    """One line for a YAML error: the file, the line and column, what is wrong and the fix."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    if isinstance(err, _DuplicateKey):
+        return f"{path}: {where}: {problem}; keep one of them"
+    return f"{path}: not valid YAML{' at ' + where if where else ''} ({problem}); fix the file there"
+
+
 def _windowing(src: SourceConfig | HeldOutConfig) -> Windowing:
     """Held-out sources are windowed as ours: their eval set never depends on OLMo-core's layout."""
     return src.windowing if isinstance(src, SourceConfig) else "concat"
@@ -310,14 +343,26 @@ def load_mixture(path: str | os.PathLike) -> Mixture:
         path = sample_mixture_path()
     name = fileio.normalize(path)
     where: Path | str = name if fileio.is_remote(name) else Path(name)
+    if isinstance(where, Path) and where.is_dir():
+        inside = sorted(p.name for p in where.glob("*.y*ml"))[:3]
+        hint = f" ({', '.join(inside)} there)" if inside else ""
+        raise DataError(f"{where}: is a folder, not a mixture file; name the mixture YAML in it{hint}")
     try:
-        raw = yaml.safe_load(fileio.read_text(where))
+        data = fileio.read_bytes(where)
     except FileNotFoundError:
         raise DataError(f"{where}: mixture file not found; check the path (or use 'sample')") from None
+    try:
+        raw = yaml.load(data.decode("utf-8"), Loader=_UniqueKeys)
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(
+            f"{where}: not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); save the mixture as UTF-8 YAML"
+        ) from None
     except yaml.YAMLError as e:
-        raise DataError(f"{where}: not valid YAML ({str(e).splitlines()[0]}); fix the syntax") from None
+        raise DataError(_yaml_message(where, e)) from None
     if not isinstance(raw, dict):
-        raise DataError(f"{where}: a mixture must be a YAML mapping with name, sources, ...; see the README")
+        got = "nothing (an empty file)" if raw is None else f"a {type(raw).__name__}"
+        raise DataError(f"{where}: a mixture must be a YAML mapping with name, sources, ...; got {got}; see the README")
     try:
         config = MixtureConfig.model_validate(raw)
     except ValidationError as e:

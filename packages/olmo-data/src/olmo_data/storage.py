@@ -148,10 +148,13 @@ class RawTokenFile:
             raise DataError(f"{self.path}: token file not found; check the path or glob") from None
         itemsize = self.dtype.itemsize
         if size % itemsize:
-            other = "uint16" if itemsize == 4 else "uint32"
+            # Only a dtype whose item size divides the file's size can be the right one.
+            fits = [d for d in ("uint16", "uint32") if d != self.dtype.name and size % np.dtype(d).itemsize == 0]
+            cause = "no token dtype divides it: a truncated or foreign file; re-write it or remove it from the mixture"
+            if fits:
+                cause = f"wrong dtype (try dtype: {fits[0]}) or a truncated file"
             raise DataError(
-                f"{self.path}: size {size} bytes is not a multiple of {itemsize} ({self.dtype.name}): wrong dtype "
-                f"(try dtype: {other}) or a truncated file"
+                f"{self.path}: size {size} bytes is not a multiple of {itemsize} ({self.dtype.name}): {cause}"
             )
         if size == 0:
             raise DataError(f"{self.path}: empty token file; remove it from the mixture")

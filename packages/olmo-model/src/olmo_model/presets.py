@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from .spec import ModelSpec
+from .yamlfile import read_yaml
 
 _OLMO3: dict[str, dict[str, Any]] = {
     "olmo3-14m": dict(d_model=128, n_layers=4, n_heads=8, mlp_hidden=512),
@@ -117,10 +117,7 @@ def load_spec(preset_or_file: str | Path) -> ModelSpec:
         if path.suffix in (".yaml", ".yml", ".json"):
             raise SpecError(f"{path}: spec file not found; check the path")
         preset_dict(text)  # raises the unknown-preset error
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML/JSON ({str(err).splitlines()[0]}); fix the file's syntax") from None
+    data = read_yaml(path, SpecError, "spec file")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a spec file must hold a mapping of ModelSpec fields")
     if "model" in data and isinstance(data["model"], dict) and len(data) == 1:

@@ -7,7 +7,8 @@ sections; framework knobs (mesh axes, remat policy, FSDP options, compile) sit i
 
 Overrides on the command line are dotted keys: ``--optim.lr=6e-4 --train.steps=200``;
 values are parsed as YAML scalars. An unknown key or a wrong type is a one-line error that
-names the key and the fix.
+names the key and the fix; so is a recipe file that is missing, a folder, unreadable, not UTF-8,
+not YAML (the line), empty, or that gives a key twice (``olmo_model.yamlfile``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .presets import SpecError, load_spec, spec_from_dict
 from .schedules import CosineSchedule, Schedule
 from .spec import ModelSpec
 from .storage import RunPath, run_path
+from .yamlfile import parse_yaml, read_yaml
 
 
 class RecipeError(ValueError):
@@ -88,7 +90,8 @@ class CheckpointSection(_Section):
     async_save: bool = True  # save in the background where the framework supports it
     resume: bool = True  # resume from the latest complete checkpoint in the run dir
     fallback: bool = False  # newest checkpoint damaged: resume from the newest older one that verifies (loudly)
-    allow_recipe_change: bool = False  # resume although precision/optim/schedule/batch/steps changed (loudly)
+    # resume although precision/optim/schedule/steps changed (loudly); never a new global batch size
+    allow_recipe_change: bool = False
     preempt_timeout_s: float = Field(300.0, gt=0)  # after SIGTERM/SIGINT: exit at once if not ended by then
     preempt_check_every: int = Field(1, gt=0)  # multi-process: steps between agreeing on a stop signal
 
@@ -307,11 +310,14 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if "=" in body:
             key, raw = body.split("=", 1)
         else:
-            if i + 1 >= len(args):
-                raise RecipeError(f"override '{arg}' has no value; write --{body}=VALUE")
+            # The next argument is the value, unless it is another override: `--run_dir --x=1`
+            # would otherwise set run_dir to "--x=1".
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                raise RecipeError(f"command line: override '{arg}' has no value; write --{body}=VALUE")
             key, raw = body, args[i + 1]
             i += 1
-        out.append((key, yaml.safe_load(raw) if raw != "" else None))
+        fix = "fix its syntax, or put a string value in YAML quotes (--key=\"'...'\")"
+        out.append((key, parse_yaml(raw, f"command line: override --{key}={raw}", RecipeError, fix) if raw else None))
         i += 1
     return out
 
@@ -345,13 +351,19 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     tree: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if not p.exists():
-            raise RecipeError(f"{p}: recipe file not found; check the path")
-        loaded = yaml.safe_load(p.read_text())
+        loaded = read_yaml(p, RecipeError, "recipe file")
         if loaded is None:
-            loaded = {}
+            # An empty file is most likely a mistake (a failed write, the wrong file): running
+            # the defaults instead would hide it.
+            raise RecipeError(
+                f"{p}: the recipe file holds no keys (empty, or comments only); write its sections (model, data, ...), "
+                "or name no recipe to run the defaults"
+            )
         if not isinstance(loaded, dict):
-            raise RecipeError(f"{p}: a recipe must be a mapping of sections (model, data, optim, ...)")
+            raise RecipeError(
+                f"{p}: a recipe must be a mapping of sections (model, data, optim, ...), "
+                f"not a {type(loaded).__name__}; see `--help` for the keys"
+            )
         for key in loaded:
             if key not in Recipe.model_fields:
                 _set_dotted({}, key, None, source)  # raises the unknown-key error with a hint
@@ -369,14 +381,28 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | None = No
     for key, value in parse_overrides(overrides or []):
         _set_dotted(over, key, value, "command line")
     defaults = Recipe().model_dump(mode="json")
-    return recipe_from_dict(_merge(_merge(defaults, tree), over), source)
+    return recipe_from_dict(_merge(_merge(defaults, tree), over), source, over)
 
 
-def recipe_from_dict(tree: dict[str, Any], source: str = "recipe") -> Recipe:
+def _given(tree: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    """Whether the nested dict ``tree`` holds the key path ``loc``."""
+    node: Any = tree
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def recipe_from_dict(tree: dict[str, Any], source: str = "recipe", overrides: dict[str, Any] | None = None) -> Recipe:
+    """Validate a recipe tree; an error names ``source``, or the command line where the bad key
+    came from ``overrides``."""
     try:
         recipe = Recipe.model_validate(tree)
     except ValidationError as err:
         first = err.errors()[0]
+        if overrides and _given(overrides, first["loc"]):
+            source = "command line"
         loc = ".".join(str(p) for p in first["loc"])
         msg = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":

@@ -421,8 +421,21 @@ def check_recipe_continues(
 ) -> None:
     """Refuse a resume whose recipe changes the maths of the run so far (precision, optimizer,
     schedule, batch, sequence length, the total steps where the schedule depends on it), naming
-    the field, both values and the fix; with checkpoint.allow_recipe_change, say each loudly."""
+    the field, both values and the fix; with checkpoint.allow_recipe_change, say each loudly,
+    except a new global batch size, which no resume can take (the data order is per step)."""
     changes = _maths_changes(meta["recipe"], recipe, spec, sequence_length, step)
+    for key, old, new, _ in changes:
+        if key == "train.global_batch_tokens":
+            # Not even with allow_recipe_change: the data order maps step N to the sequences
+            # [N*B, (N+1)*B) of one fixed order (contract 3), so step N at another batch size B
+            # would skip or repeat data. A stage that changes the batch is a new run from here.
+            raise TrainingStateError(
+                f"{ckpt}: the recipe changes {key} from {old!r} (checkpoint) to {new!r}, which a resume cannot "
+                "take, even with checkpoint.allow_recipe_change: the data order maps each step to its batch by "
+                f"the batch size, so step {step} on would skip or repeat data; set it back to {old!r}, or start "
+                f"a new stage from this checkpoint in a new run_dir (--init.checkpoint={ckpt} "
+                "--init.load_optimizer=true; its data order starts at step 0)"
+            )
     if changes and not recipe.checkpoint.allow_recipe_change:
         key, old, new, why = changes[0]
         raise TrainingStateError(
@@ -545,15 +558,16 @@ def find_resume(run_dir: RunPath, recipe: Recipe, spec: ModelSpec, framework: st
         )
     step, ckpt, meta = _newest_verified(run_dir, done, recipe.checkpoint.fallback)
     check_meta_fits(meta, ckpt, spec, framework)
-    loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
-    if loader.step != step:
-        raise TrainingStateError(f"{ckpt}: loader state is at step {loader.step} but meta.json says {step}; damaged")
     if step > total_steps:
         raise TrainingStateError(
             f"{ckpt}: the run is at step {step}, past this recipe's {total_steps} steps; "
             f"raise train.steps to at least {step} or use a new run_dir"
         )
+    # The recipe before the loader state: a changed batch size is named as the recipe change it is.
     check_recipe_continues(meta, ckpt, recipe, spec, loader.mixture.sequence_length, step)
+    loader.load_state_dict(meta["loader_state"], allow_fingerprint_mismatch=recipe.data.allow_fingerprint_mismatch)
+    if loader.step != step:
+        raise TrainingStateError(f"{ckpt}: loader state is at step {loader.step} but meta.json says {step}; damaged")
     return step, ckpt, meta
 
 
