@@ -23,17 +23,19 @@ and ``plot_loss``; a run resumed on a fresh host first refreshes that copy from 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
@@ -77,6 +79,17 @@ class TrainingDivergedError(RuntimeError):
     """The run cannot go on: a non-finite loss, grad norm, parameter or moment, or more skipped
     steps in a row than the spike guard allows. Raised before any checkpoint of that state is
     written, so the newest checkpoint is the last good state; the CLIs exit with status 3."""
+
+
+class RunDirWriteError(RuntimeError):
+    """A write into the run dir failed mid-run (a full disk, a quota, an I/O error): the run
+    stops at once with one line naming the file, the OS's reason and the fix, and the newest
+    complete checkpoint stays the one a rerun resumes from; the CLIs exit with status 5."""
+
+
+class CheckpointWriteError(RunDirWriteError):
+    """A checkpoint could not be written or committed. It has no meta.json, so resume ignores
+    it, and the next start removes what it left (``clean_orphans``)."""
 
 
 def perplexity(loss: float) -> float:
@@ -458,6 +471,95 @@ def commit_checkpoint(ckpt: RunPath, meta: dict[str, Any]) -> None:
     write_atomic(ckpt / META_FILE, json.dumps({**meta, "files": checkpoint_files(ckpt)}, indent=2))
 
 
+# TensorStore (Orbax's array writer) reports a failed system call as a ValueError whose text
+# carries the errno ("... No space left on device [os_error_code='28']"), not as an OSError.
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+# The reasons whose fix is room on the file system: none left, or the quota used up.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_WriteError = TypeVar("_WriteError", bound=RunDirWriteError)
+
+
+def _exception_chain(errors: tuple[BaseException, ...]) -> list[BaseException]:
+    """Each exception, then what it was raised from or during (__cause__, __context__), once each."""
+    seen: list[BaseException] = []
+    todo: list[BaseException | None] = list(errors)
+    while todo:
+        err = todo.pop(0)
+        if err is not None and not any(err is s for s in seen):
+            seen.append(err)
+            todo += [err.__cause__, err.__context__]
+    return seen
+
+
+def os_error_code(*errors: BaseException) -> int | None:
+    """The errno of the failed system call behind ``errors``: an OSError anywhere in their
+    __cause__ / __context__ chains, or TensorStore's ``os_error_code`` in an exception's text."""
+    for err in _exception_chain(errors):
+        if isinstance(err, OSError) and err.errno:
+            return err.errno
+        if (found := _OS_ERROR_CODE.search(str(err))) is not None:
+            return int(found[1])
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _free_space(path: RunPath) -> str:
+    """The room left where ``path`` is, as " (N MiB free there)", for a local path (its nearest
+    existing folder); "" for a URL."""
+    if isinstance(path, URLPath):
+        return ""
+    folder = Path(path)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return f" ({_size(shutil.disk_usage(folder).free)} free there)"
+    except OSError:
+        return ""
+
+
+def write_failure(
+    kind: type[_WriteError],
+    doing: str,
+    target: RunPath,
+    run_dir: RunPath,
+    code: int | None,
+    reason: str | None = None,
+    after: str = "",
+) -> _WriteError:
+    """The one-line error for a write of ``target`` that failed (``doing``: "saving checkpoint",
+    "appending to"): the reason (``reason``, else the OS's words for the errno ``code``, such as
+    "No space left on device" for ENOSPC), the room left there, the checkpoint a rerun resumes
+    from and the fix, then ``after``."""
+    reason = reason or (os.strerror(code) if code is not None else "an unknown failure")
+    try:
+        done: list[tuple[int, RunPath]] | None = complete_checkpoints(run_dir)
+    except Exception:  # the listing may fail as the write did: the line then names no step
+        done = None
+    fix = "free space there (or lower checkpoint.keep)" if code in _NO_ROOM else "fix that"
+    if done is None:
+        latest = f"{fix}, then rerun to resume from the newest complete checkpoint"
+    elif done:
+        latest = f"{done[-1][1].name} stays the latest checkpoint: {fix}, then rerun to resume from it"
+    else:
+        latest = f"no checkpoint was committed yet: {fix}, then rerun to start again"
+    return kind(f"{doing} {target} failed: {reason}{_free_space(target)}; {latest}{after}")
+
+
+def checkpoint_write_failure(
+    ckpt: RunPath, run_dir: RunPath, code: int | None, reason: str | None = None
+) -> CheckpointWriteError:
+    """``write_failure`` for a checkpoint that could not be saved or committed (no meta.json)."""
+    after = f" (the unfinished {ckpt.name} is removed when it starts)"
+    return write_failure(CheckpointWriteError, "saving checkpoint", ckpt, run_dir, code, reason, after)
+
+
 def _remove_checkpoint(path: RunPath) -> None:
     # meta.json first: a removal cut short leaves an incomplete checkpoint, never a complete
     # one with files missing. On object storage the rest goes object by object.
@@ -481,14 +583,15 @@ def prune_checkpoints(run_dir: RunPath, keep: int, committed: int | None = None)
 
 def clean_orphans(run_dir: RunPath) -> None:
     """Remove what interrupted saves, prunes and writes left in a run dir, printing each: step_*
-    dirs without meta.json older than the newest complete checkpoint (a newer one is a save the
-    run replaces when it gets there), and write_atomic temporaries (.NAME.tmp-PID) and
+    dirs without meta.json (a save that was killed or failed, a full disk's
+    ``state.orbax-checkpoint-tmp`` say, or a prune cut short: the run resumes from the newest
+    complete checkpoint, so none of them is ever read, and a full disk gets their room back
+    before the run writes again), and write_atomic temporaries (.NAME.tmp-PID) and
     olmo-convert staging dirs (checkpoints/.convert-PID) of processes no longer alive. Called
     by the main process at start-up, after every check passed (one run owns its run dir).
     On object storage only the step_* objects are cleaned: uploads leave no temporaries, and a
     PID names no process of another host."""
     done = complete_checkpoints(run_dir)
-    newest = done[-1][0] if done else None
     stale: list[tuple[RunPath, str, bool]] = []  # (path, why, is a folder)
     root = run_dir / "checkpoints"
     fs = backend(run_dir)
@@ -498,8 +601,8 @@ def clean_orphans(run_dir: RunPath) -> None:
         step, staging = _step_of(p), _CONVERT_STAGING.fullmatch(name)
         if local and staging and not pid_alive(int(staging[1])):
             stale.append((p, "staging dir of an olmo-convert that is gone", True))
-        elif step is not None and newest is not None and step < newest and not fs.exists(str(p / META_FILE)):
-            stale.append((p, f"no meta.json (an interrupted save or prune), older than step {newest}", True))
+        elif step is not None and not fs.exists(str(p / META_FILE)):
+            stale.append((p, "no meta.json (an interrupted or failed save, or prune)", True))
     for folder in (run_dir, *(p for _, p in done)) if local else ():
         for name in fs.listdir(str(folder)):
             p = folder / name
@@ -726,9 +829,13 @@ class MetricsLog:
     ``flush`` uploads the whole file as one object (object storage has no append); it runs at
     every checkpoint (the driver calls it), at most ``METRICS_UPLOAD_S`` apart while logging,
     and at the end. On start the local copy is first replaced by the bucket's file, so a run
-    resumed on another host continues the same log."""
+    resumed on another host continues the same log.
+
+    A write that fails (a full disk) is a one-line RunDirWriteError naming the file and the
+    reason: the run stops there (exit status 5), and the rerun drops a line it left cut short."""
 
     def __init__(self, run_dir: RunPath, resume_step: int = 0, enabled: bool = True):
+        self.run_dir = run_dir
         self.remote = run_dir / "metrics.jsonl" if isinstance(run_dir, URLPath) else None
         self.path = local_copy(run_dir) / "metrics.jsonl"
         self.enabled = enabled
@@ -744,14 +851,20 @@ class MetricsLog:
                 self.path.unlink(missing_ok=True)  # a stale copy of an earlier run under this URL
         if self.path.exists():
             kept = [line for line, record in _metric_lines(self.path) if record.get("step", 0) <= resume_step]
-            write_atomic(self.path, "".join(line + "\n" for line in kept))
+            try:
+                write_atomic(self.path, "".join(line + "\n" for line in kept))
+            except OSError as err:
+                raise self._failure("rewriting", err) from None
             self.flush()
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            raise self._failure("appending to", err) from None
         if self.remote is not None and time.monotonic() - self._uploaded >= METRICS_UPLOAD_S:
             self.flush()
 
@@ -760,6 +873,10 @@ class MetricsLog:
         if self.enabled and self.remote is not None and self.path.exists():
             backend(self.remote).upload(str(self.path), str(self.remote))
             self._uploaded = time.monotonic()
+
+    def _failure(self, doing: str, err: OSError) -> RunDirWriteError:
+        reason = None if err.errno else str(err)
+        return write_failure(RunDirWriteError, doing, self.path, self.run_dir, err.errno, reason)
 
 
 def _metric_lines(path: RunPath) -> list[tuple[str, dict[str, Any]]]:

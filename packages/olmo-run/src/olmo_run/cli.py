@@ -8,6 +8,10 @@ written; a run that diverges is one line and exit status 3, with the newest chec
 good state. SIGTERM or SIGINT (``olmo_run.preempt``): the step in flight finishes, a checkpoint
 of it is committed, one line, exit status 4 (rerun the same command to resume); a second signal,
 or ``checkpoint.preempt_timeout_s`` without an end, exits at once with 128 + the signal number.
+A checkpoint or metrics write that fails mid-run (a full disk, a quota, an I/O error) stops the
+run before its next step: one line naming the file and the OS's reason ("No space left on
+device"), exit status 5; the newest complete checkpoint stays the latest, and a rerun once the
+fault is fixed resumes from it and removes the unfinished checkpoint.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from olmo_data import DataError
 from olmo_model import SpecError, UnknownDeviceError
 from olmo_model.recipe import Recipe, RecipeError, load_recipe
 from olmo_model.recipe_help import recipe_help
-from olmo_model.runlog import TrainingDivergedError, TrainingStateError
+from olmo_model.runlog import RunDirWriteError, TrainingDivergedError, TrainingStateError
 
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
 from .preempt import EXIT_PREEMPTED, Preempted
 
 # Bad input, as opposed to a bug, whichever trainer reads it (each adds its own weight errors).
 INPUT_ERRORS: tuple[type[Exception], ...] = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError)
+# A checkpoint or metrics write that failed mid-run (runlog.RunDirWriteError: a full disk, say).
+EXIT_WRITE_FAILED = 5
 
 
 def run_cli(
@@ -73,6 +79,10 @@ def run_cli(
         if reports():
             print(f"{prog}: preempted: {err}", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
+    except RunDirWriteError as err:
+        if reports():
+            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_WRITE_FAILED
     finally:
         if cleanup is not None:
             cleanup()

@@ -29,14 +29,24 @@ A run dir on object storage (``olmo_model.storage.URLPath``):
 On both, meta.json is uploaded last, after every other object, so the commit rule holds
 without a rename; a storage failure is a one-line ``fileio.StorageError`` and leaves the
 previous checkpoint the latest.
+
+A save that fails (a full disk: TensorStore's "No space left on device [os_error_code='28']")
+stops the run before its next step: ``poll``, called after every step, raises the background
+save's failure as soon as it is known, as a one-line ``runlog.CheckpointWriteError`` naming the
+checkpoint and the OS's reason (exit status 5). Orbax's own ERROR records of that failure, each
+with a traceback, and TensorStore's late callbacks to the failed save's closed event loop are
+logged at DEBUG instead (``_OrbaxBackgroundErrors``, ``_closed_loop_callbacks_to_debug``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,11 +54,20 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from olmo_model.runlog import TrainingStateError, checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
+from olmo_model.runlog import (
+    TrainingStateError,
+    checkpoint_dir,
+    checkpoint_write_failure,
+    clean_orphans,
+    commit_checkpoint,
+    os_error_code,
+    prune_checkpoints,
+)
 from olmo_model.storage import RunPath, URLPath, backend, local_copy
 from olmo_run.run_dir import storage_error
 
 STATE_DIR = "state"
+STAGING_DIR = ".staging"  # in the local copy of an s3:// run dir: saves before their upload
 # Concurrent uploads / downloads of a staged s3:// checkpoint's files.
 TRANSFER_THREADS = 8
 
@@ -73,7 +92,7 @@ def _orbax_path(ckpt: RunPath) -> Any:
 
 
 def _staging(ckpt: URLPath) -> Path:
-    return local_copy(ckpt.parent.parent) / ".staging" / ckpt.name
+    return local_copy(ckpt.parent.parent) / STAGING_DIR / ckpt.name
 
 
 def _upload_tree(local: Path, url: URLPath) -> None:
@@ -109,6 +128,58 @@ def _storage_failure(err: BaseException, ckpt: RunPath, op: str) -> BaseExceptio
     return type(found)(f"{'saving' if op == 'write' else 'loading'} checkpoint {ckpt.name}: {found}{tail}")
 
 
+def _save_failure(err: Exception, ckpt: RunPath, run_dir: RunPath) -> BaseException:
+    """What a failed save raises: fileio's one-line error for a storage failure of a URL
+    checkpoint, a one-line CheckpointWriteError for a failed system call behind ``err`` (a full
+    disk), else ``err`` itself (no I/O failure but a bug: its traceback is wanted)."""
+    if (failure := _storage_failure(err, ckpt, "write")) is not err:
+        return failure
+    code = os_error_code(err)
+    return err if code is None else checkpoint_write_failure(ckpt, run_dir, code)
+
+
+class _OrbaxBackgroundErrors(logging.Filter):
+    """Orbax logs a failure of its background save threads at ERROR with the traceback, once per
+    thread (a full disk: some 300 lines), and raises the same exception from
+    ``wait_until_finished``, where the Checkpointer reports it in one line. Those records are
+    demoted to DEBUG, shown only where the absl logger is set to DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.exc_info and "orbax" in Path(record.pathname).parts:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+_ORBAX_BACKGROUND_ERRORS = _OrbaxBackgroundErrors()
+_log = logging.getLogger(__name__)
+
+
+def _closed_loop_callbacks_to_debug() -> None:
+    """When one array write of an Orbax save fails, the save's asyncio loop ends at once, and
+    the writes still in flight in TensorStore report their own end to that closed loop: Python
+    prints each "RuntimeError: Event loop is closed" as an unraisable exception, a traceback
+    apiece (dozens for one full disk), after the failure the Checkpointer already reports. This
+    hook (installed once, handing everything else to the hook it replaced) logs those at DEBUG."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_olmo_closed_loop", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback) if unraisable.exc_traceback else []
+        if (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and any(frame.name == "call_soon_threadsafe" for frame in frames)
+        ):
+            _log.debug("a TensorStore write ended after its Orbax save had failed (event loop closed)")
+            return
+        previous(unraisable)
+
+    hook._olmo_closed_loop = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
+
+
 class Checkpointer:
     """Saves training state every few steps; at most one save is in flight at a time."""
 
@@ -126,8 +197,12 @@ class Checkpointer:
         self._orbax = ocp.StandardCheckpointer()  # OCDBT: a few large files per process
         self._commit: threading.Thread | None = None
         self._error: BaseException | None = None
+        logging.getLogger("absl").addFilter(_ORBAX_BACKGROUND_ERRORS)
+        _closed_loop_callbacks_to_debug()
         if self.is_main:
             clean_orphans(run_dir)
+            if self.staged:  # what a failed or killed save left in the local staging folder
+                shutil.rmtree(local_copy(run_dir) / STAGING_DIR, ignore_errors=True)
 
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         self.wait()
@@ -147,7 +222,7 @@ class Checkpointer:
             else:
                 self._orbax.save(_orbax_path(ckpt), state)
         except Exception as err:
-            if (failure := _storage_failure(err, ckpt, "write")) is err:
+            if (failure := _save_failure(err, ckpt, self.run_dir)) is err:
                 raise
             raise failure from None
         if self.async_save:
@@ -167,13 +242,19 @@ class Checkpointer:
             if self.is_main:
                 commit_checkpoint(ckpt, meta)
                 prune_checkpoints(self.run_dir, self.keep, committed=step)
-        except BaseException as err:  # re-raised in the training thread by wait()
-            self._error = _storage_failure(err, ckpt, "write") if isinstance(err, Exception) else err
+        except BaseException as err:  # re-raised in the training thread by poll() or wait()
+            self._error = _save_failure(err, ckpt, self.run_dir) if isinstance(err, Exception) else err
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             err, self._error = self._error, None
             raise err
+
+    def poll(self) -> None:
+        """Without blocking: raise the failure of a background save that has ended (called after
+        every step, so a full disk stops the run before its next step, not at the next save)."""
+        if self._commit is not None and not self._commit.is_alive():
+            self.wait()
 
     def wait(self) -> None:
         """Block until the last save is written and committed."""
@@ -183,8 +264,11 @@ class Checkpointer:
         self._raise_pending()
 
     def close(self) -> None:
-        self.wait()
-        self._orbax.close()
+        try:
+            self.wait()
+            self._orbax.close()
+        finally:
+            logging.getLogger("absl").removeFilter(_ORBAX_BACKGROUND_ERRORS)
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

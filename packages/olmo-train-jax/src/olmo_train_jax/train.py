@@ -549,7 +549,9 @@ class JaxTrainModule:
         self.checkpointer.save(step, self.params, self.opt_state, meta)
 
     def poll(self) -> None:
-        """Orbax commits on its own thread; nothing to do between steps."""
+        """Orbax writes and the commit runs on their own threads; a failure of theirs (a full
+        disk) is raised here, after the step it happened in, so no further step runs."""
+        self.checkpointer.poll()
 
     def memory(self) -> tuple[float, float, str] | None:
         """The fullest local device's bytes in use and peak (TPU and GPU report them; CPU does not)."""

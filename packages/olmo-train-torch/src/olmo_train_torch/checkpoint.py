@@ -30,8 +30,12 @@ so the previous one stays the latest.
 from __future__ import annotations
 
 import base64
+import io
+import os
 import warnings
+from collections.abc import Generator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -39,6 +43,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -50,8 +55,10 @@ from torch.distributed.checkpoint.state_dict import (
 from olmo_model.runlog import (
     TrainingStateError,
     checkpoint_dir,
+    checkpoint_write_failure,
     clean_orphans,
     commit_checkpoint,
+    os_error_code,
     prune_checkpoints,
 )
 from olmo_model.storage import RunPath, URLPath, backend
@@ -114,32 +121,96 @@ def _reader(ckpt: URLPath) -> FsspecReader:
     return _on_bucket(FsspecReader(str(ckpt)), ckpt)
 
 
+def _causes(err: BaseException) -> list[BaseException]:
+    """``err`` and, for DCP's CheckpointException, what failed on each rank."""
+    causes = [err]
+    if isinstance(err, CheckpointException):
+        causes += [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
+    return causes
+
+
 def _raise_storage(err: BaseException, ckpt: RunPath, op: str) -> None:
     """Re-raise a storage failure inside DCP (possibly wrapped per rank in a CheckpointException)
     as fileio's one-line error; return for anything else (and for a local checkpoint, whose
     errors keep their own messages)."""
     if not isinstance(ckpt, URLPath):
         return
-    causes = [err]
-    if isinstance(err, CheckpointException):
-        causes += [failure[0] if isinstance(failure, tuple) else failure for failure in err.failures.values()]
-    for cause in causes:
+    for cause in _causes(err):
         if isinstance(cause, BaseException) and (found := storage_error(cause, ckpt, op)) is not None:
             what = "saving" if op == "write" else "loading"
             tail = "; the checkpoint has no meta.json, so the previous one stays the latest" if op == "write" else ""
             raise type(found)(f"{what} checkpoint {ckpt.name}: {found}{tail}") from None
 
 
+class _KeptErrorsFile(io.FileIO):
+    """A file DCP writes, keeping each OSError a write raised in ``errors``: torch.save's zip
+    writer, which writes through it, reports a failed write as "[enforce fail at
+    inline_container.cc] unexpected pos N vs M", with the errno (ENOSPC: a full disk) lost."""
+
+    def __init__(self, path: str | os.PathLike, errors: list[OSError]):
+        super().__init__(path, "wb")
+        self.errors = errors
+
+    def write(self, data: Any, /) -> int:
+        try:
+            return super().write(data)
+        except OSError as err:
+            self.errors.append(err)
+            raise
+
+
+class _KeptErrorsFileSystem(FileSystem):
+    """DCP's local file system, its files written through ``_KeptErrorsFile``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: list[OSError] = []
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with io.BufferedWriter(_KeptErrorsFile(path, self.errors)) as stream:
+            yield stream
+
+
+def _local_writer(ckpt: RunPath) -> FileSystemWriter:
+    """DCP's writer of a local folder (what ``checkpoint_id=ckpt`` makes), on ``_KeptErrorsFileSystem``."""
+    writer = FileSystemWriter(str(ckpt))
+    writer.fs = _KeptErrorsFileSystem()
+    return writer
+
+
+def _save_failure(err: BaseException, ckpt: RunPath, run_dir: RunPath, writer: Any) -> BaseException:
+    """What a failed save raises: fileio's one-line error for a storage failure of a URL
+    checkpoint; a one-line CheckpointWriteError for a failed system call (the errno of a write
+    ``writer`` kept, or one behind ``err`` on any rank) or for a file torch.save's writer cut
+    short (another rank's failed write); else ``err`` itself (a bug: its traceback is wanted)."""
+    _raise_storage(err, ckpt, "write")
+    kept = writer.fs.errors if isinstance(writer.fs, _KeptErrorsFileSystem) else []
+    causes = _causes(err)
+    if (code := os_error_code(*kept, *causes)) is not None:
+        return checkpoint_write_failure(ckpt, run_dir, code)
+    short = next((c for c in causes if isinstance(c, RuntimeError) and "unexpected pos" in str(c)), None)
+    if short is None:
+        return err
+    reason = f"a file was cut short (torch.save's writer: {str(short).strip().splitlines()[0]})"
+    return checkpoint_write_failure(ckpt, run_dir, None, reason)
+
+
 class Checkpointer:
     """Saves (optionally in the background) and commits checkpoints of one run dir (a local
-    folder or a gs:// / s3:// URL)."""
+    folder or a gs:// / s3:// URL). A save that fails is a one-line CheckpointWriteError (a full
+    disk: "No space left on device"), raised by ``poll`` after the step it is found in."""
 
     def __init__(self, run_dir: RunPath, d: Distributed, *, async_save: bool, keep: int):
         self.run_dir = run_dir
         self.d = d
         self.keep = keep
         self.async_save = async_save
-        self.pending: tuple[Future, RunPath, dict[str, Any]] | None = None
+        self.pending: tuple[Future, RunPath, dict[str, Any], FileSystemWriter | FsspecWriter] | None = None
         # A separate group keeps the background save's collectives off the training group.
         self.group = dist.new_group(backend="gloo") if (async_save and d.initialized) else None
         if d.is_main:
@@ -157,20 +228,22 @@ class Checkpointer:
         state = {"model": msd, "optim": osd}
         no_dist = not self.d.initialized
         # A URL gets DCP's fsspec writer; a local folder its plain file-system writer.
-        target: dict[str, Any] = (
-            {"storage_writer": _writer(ckpt)} if isinstance(ckpt, URLPath) else {"checkpoint_id": str(ckpt)}
-        )
+        writer = _writer(ckpt) if isinstance(ckpt, URLPath) else _local_writer(ckpt)
+        target: dict[str, Any] = {"storage_writer": writer}
+        if not isinstance(ckpt, URLPath):
+            target["checkpoint_id"] = str(ckpt)
         try:
             if self.async_save:
                 # ignores: new_group over every rank never returns the non-member sentinel, and
                 # async_save without an async_stager returns a Future, not an AsyncSaveResponse.
                 future = dcp.async_save(state, **target, process_group=self.group, no_dist=no_dist)  # type: ignore[arg-type]
-                self.pending = (future, ckpt, meta)  # type: ignore[assignment]
+                self.pending = (future, ckpt, meta, writer)  # type: ignore[assignment]
             else:
                 dcp.save(state, **target, no_dist=no_dist)
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            _raise_storage(err, ckpt, "write")
-            raise
+            if (failure := _save_failure(err, ckpt, self.run_dir, writer)) is err:
+                raise
+            raise failure from None
         if not self.async_save:
             self._commit(ckpt, meta)
 
@@ -178,24 +251,31 @@ class Checkpointer:
         """Block until a background save has finished, then commit it."""
         if self.pending is None:
             return
-        future, ckpt, meta = self.pending
+        future, ckpt, meta, writer = self.pending
         self.pending = None
         try:
             future.result()
         except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-            _raise_storage(err, ckpt, "write")
-            raise
+            if (failure := _save_failure(err, ckpt, self.run_dir, writer)) is err:
+                raise
+            raise failure from None
         self._commit(ckpt, meta)
 
     def _commit(self, ckpt: RunPath, meta: dict[str, Any]) -> None:
         if not self.d.is_main:
             return
-        commit_checkpoint(ckpt, meta)
+        try:
+            commit_checkpoint(ckpt, meta)
+        except OSError as err:  # meta.json not written (a URL's failure is fileio's one line already)
+            if isinstance(ckpt, URLPath):
+                raise
+            raise checkpoint_write_failure(ckpt, self.run_dir, err.errno, None if err.errno else str(err)) from None
         prune_checkpoints(self.run_dir, self.keep, committed=meta["step"])
 
     def poll(self) -> None:
         """Commit a finished background save without blocking (called once per step), so a
-        crash loses as little as possible."""
+        crash loses as little as possible, and a failed one (a full disk) stops the run before
+        its next step."""
         if self.pending is not None and self.pending[0].done():
             self.wait()
 
