@@ -21,9 +21,10 @@ import concurrent.futures
 from pathlib import Path
 
 import pytest
+from cli_checks import full_disk_then_rerun
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from olmo_model.runlog import checkpoint_dir, complete_checkpoints, read_metrics
+from olmo_model.runlog import checkpoint_dir
 from olmo_train_torch.cli import main
 from olmo_train_torch.train import TorchTrainModule
 
@@ -42,12 +43,6 @@ ARGS = [
     "--log.progress=false",
     "--torch.parallel=none",
 ]
-
-
-def train_losses(run: Path) -> dict[int, float]:
-    lines = [r for r in read_metrics(run) if r["kind"] == "train"]
-    assert len(lines) == len({r["step"] for r in lines}), "a step logged twice"
-    return {r["step"]: r["loss"] for r in lines}
 
 
 @pytest.fixture
@@ -80,28 +75,7 @@ def test_a_full_disk_stops_at_once_in_one_line_and_a_rerun_resumes(
 ):
     run = tmp_path / "run"
     args = [*ARGS, f"--checkpoint.async_save={async_save}", f"--run_dir={run}"]
-    capsys.readouterr()
-    assert main(args) == 5
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("olmo-train-torch: error: saving checkpoint "), err[0]
-    assert str(checkpoint_dir(run, FAIL_AT)) in err[0] and "No space left on device" in err[0], err[0]
-    assert "step_00000002 stays the latest checkpoint" in err[0], err[0]
-    failed = train_losses(run)
-    assert sorted(failed) == [1, 2, 3, 4]
-    assert [s for s, _ in complete_checkpoints(run)] == [2]
-    partial = checkpoint_dir(run, FAIL_AT)
-    assert partial.is_dir() and not (partial / "meta.json").exists()
-
-    monkeypatch.undo()  # the disk has room again
-    assert main(args) == 0
-    out = capsys.readouterr().out
-    assert f"removed {partial}: no meta.json" in out
-    assert f"resumed from {checkpoint_dir(run, 2)} at step 2" in out
-    again = train_losses(run)
-    assert sorted(again) == list(range(1, 7))
-    assert [again[s] for s in (1, 2, 3, 4)] == [failed[s] for s in (1, 2, 3, 4)]  # bitwise
-    assert [s for s, _ in complete_checkpoints(run)] == [2, 4, 6]
+    full_disk_then_rerun(main, "olmo-train-torch", args, run, capsys, monkeypatch, FAIL_AT)
 
 
 def test_another_ranks_cut_short_file_is_one_line_too(tmp_path):
