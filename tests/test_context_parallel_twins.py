@@ -9,12 +9,15 @@ trainer imported (tests/support/ranks.py).
 
 Reference: each trainer's own CP=1 run of the same recipe, and the threshold the unsplit twins are
 held to (``olmo-parity train``: per-step |loss difference| <= 1e-4, tools/tests/test_train_parity.py).
-The torch and JAX CP runs must each be within 1e-5 of their own CP=1 run (the packages' CP tests'
-bound: CP only reorders sums), and within 1e-4 of each other.
+The torch and JAX CP runs must each follow their own CP=1 run within
+``olmo_model.layout_loss_tolerance`` (the packages' CP tests' bound: CP only reorders sums, which
+AdamW carries forward), and be within 1e-4 of each other. A JAX run's XLA_FLAGS are this process's
+(a CPU code path chosen by flags: --xla_cpu_max_isa=AVX2) plus its device count.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from ranks import run_cli_forked
 
 from olmo_data import open_training_mixture
 from olmo_data.digest import batch_digest
+from olmo_model import layout_loss_tolerance
 from olmo_model.runlog import read_metrics
 
 STEPS = 8
@@ -49,7 +53,8 @@ def run(framework: str, run_dir: Path, context: int) -> dict[int, float]:
         done = run_cli_forked("torch", args, 2, env={"OMP_NUM_THREADS": "1"}, timeout=600)  # 2 gloo ranks
     else:
         args += ["--jax.mesh.data=1", "--jax.mesh.context=2"] if context == 2 else ["--jax.mesh.data=2"]
-        done = run_cli_forked("jax", args, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, timeout=600)
+        flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2".strip()
+        done = run_cli_forked("jax", args, env={"XLA_FLAGS": flags}, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
 
@@ -69,7 +74,8 @@ def test_each_trainer_under_cp_matches_its_unsplit_run(losses):
     for fw in ("torch", "jax"):
         split, whole = losses[(fw, 2)], losses[(fw, 1)]
         assert sorted(split) == list(range(1, STEPS + 1))
-        assert max(abs(split[s] - whole[s]) for s in whole) <= 1e-5, fw
+        for s in whole:  # 4 sequences of 128 tokens a step
+            assert abs(split[s] - whole[s]) <= layout_loss_tolerance(whole[s], 512, s), (fw, s, split[s], whole[s])
 
 
 def test_the_twins_agree_under_cp_as_without_it(losses):

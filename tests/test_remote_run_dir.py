@@ -15,6 +15,7 @@ s3:// (staged locally, then uploaded) in the resume test.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,7 +25,7 @@ from ranks import run_cli_forked
 
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
-from olmo_model import fp32_mean_tolerance
+from olmo_model import layout_loss_tolerance
 from olmo_model.runlog import complete_checkpoints, read_metrics, read_verified_meta
 from olmo_model.storage import URLPath, local_copy
 
@@ -97,8 +98,8 @@ def trainer_process(
     its own); ``ranks`` gloo processes for torch, simulated CPU devices for JAX. With
     ``kill_during`` it SIGKILLs itself before the step-N checkpoint commits
     (tests/support/kill_during_checkpoint.py)."""
-    if framework == "jax":
-        env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={ranks}"}
+    if framework == "jax":  # this process's XLA_FLAGS (a CPU code path chosen by flags) plus the device count
+        env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ranks}".strip()}
         return run_cli_forked("jax", args, env=env, timeout=300, kill_during=kill_during)
     return run_cli_forked("torch", args, ranks, env={"OMP_NUM_THREADS": "1"}, timeout=300, kill_during=kill_during)
 
@@ -176,8 +177,8 @@ def test_resume_from_the_bucket_after_an_uncommitted_save(framework, scheme, req
     # Elastic, from the bucket: the same uncommitted step 4 and a fresh host, resumed by two
     # processes (torch: DDP over gloo, with torchrun's environment) or on two devices (JAX: a
     # data axis of 2). Steps 3 and 4 see the same global batches (digests) and follow the local
-    # run within the reordering of the fp32 loss sum over the step's 8 x 64 tokens
-    # (fp32_mean_tolerance).
+    # run within layout_loss_tolerance of the step's 8 x 64 token losses, counted from the step-2
+    # checkpoint (the reordered fp32 sum at step 3, plus AdamW's drift envelope at step 4).
     records = {r["step"]: r for r in read_metrics(run) if r["kind"] == "train"}
     fileio.delete(str(run / "checkpoints" / "step_00000004" / "meta.json"))
     shutil.rmtree(local_copy(run))
@@ -189,7 +190,7 @@ def test_resume_from_the_bucket_after_an_uncommitted_save(framework, scheme, req
     assert sorted(again) == list(range(1, STEPS + 1))
     for step in (3, 4):
         assert again[step]["batch_digest"] == records[step]["batch_digest"]
-        assert abs(again[step]["loss"] - want[step]) <= fp32_mean_tolerance(want[step], 8 * 64), step
+        assert abs(again[step]["loss"] - want[step]) <= layout_loss_tolerance(want[step], 8 * 64, step - 2), step
 
 
 def test_the_store_going_away_mid_run_is_one_line_and_the_last_checkpoint_survives(

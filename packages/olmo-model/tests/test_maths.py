@@ -12,6 +12,7 @@ from olmo_model import (
     flops_per_token,
     fp32_mean_tolerance,
     get_preset,
+    layout_loss_tolerance,
     mean_keys_per_query,
     mfu,
     param_counts,
@@ -187,3 +188,91 @@ def test_fp32_mean_tolerance_bounds_a_sequential_fp32_sum(count, mean):
     # Two fp32 runs: sqrt(2) wider; the documented Olmo-sized example.
     assert fp32_mean_tolerance(mean, count) == pytest.approx(2**0.5 * 6 * std)
     assert fp32_mean_tolerance(8.3, 1024) == pytest.approx(4.47e-5, rel=1e-2)
+
+
+def _toy_fp32_training(layout: str, bug: str | None = None, steps: int = 20) -> list[float]:
+    """Per-step losses of a bigram softmax model (vocab 512, width 32) trained by fp32 AdamW (lr
+    1e-3, betas 0.9 / 0.95, weight decay 0.1: the trainers' defaults) on 512 tokens a step, written
+    here in numpy, independently of both trainers. ``layout`` "whole" takes every sum over all
+    tokens at once (one device); "shards" over 4 shards of 128 tokens, then adds the shards one
+    after the other (4 ranks): the same maths, another fp32 rounding. ``bug`` (on "shards"):
+    "lost_shard" leaves shard 3 out of the gradient sum (an all-reduce missing a rank: the forward
+    is right, so step 1's loss is too); "shifted_labels" gives shard 3 another shard's labels (a
+    batch placed on the wrong rank)."""
+    import numpy as np
+
+    f32, vocab, width, tokens, shards = np.float32, 512, 32, 512, 4
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((vocab, width)).astype(f32)
+    head = (0.1 * rng.standard_normal((width, vocab))).astype(f32)
+    moments = [np.zeros_like(emb), np.zeros_like(emb), np.zeros_like(head), np.zeros_like(head)]
+    identity = np.eye(vocab, dtype=f32)
+
+    def forward_backward(x, y):
+        """Token losses and the two weights' gradient sums (not yet divided by the token count)."""
+        h = emb[x]
+        logits = h @ head
+        shifted = logits - logits.max(1, keepdims=True)
+        probs = np.exp(shifted)
+        total = probs.sum(1, keepdims=True)
+        token_loss = np.log(total[:, 0]) - shifted[np.arange(len(x)), y]
+        dlogits = probs / total
+        dlogits[np.arange(len(x)), y] -= 1
+        return token_loss, identity[x].T @ (dlogits @ head.T), h.T @ dlogits
+
+    losses = []
+    for step in range(1, steps + 1):
+        data = np.random.default_rng(step)
+        x = data.integers(0, vocab, tokens)
+        y = (3 * x + 1 + (data.random(tokens) < 0.2) * data.integers(0, vocab, tokens)) % vocab  # learnable
+        if layout == "whole":
+            token_loss, g_emb, g_head = forward_backward(x, y)
+            loss = np.sum(token_loss, dtype=f32)
+        else:
+            loss, g_emb, g_head = f32(0), np.zeros_like(emb), np.zeros_like(head)
+            for i, part in enumerate(np.split(np.arange(tokens), shards)):
+                labels = y[part - len(part)] if (bug == "shifted_labels" and i == shards - 1) else y[part]
+                token_loss, ge, gh = forward_backward(x[part], labels)
+                loss = loss + np.cumsum(token_loss, dtype=f32)[-1]  # one token after the other
+                if not (bug == "lost_shard" and i == shards - 1):
+                    g_emb, g_head = g_emb + ge, g_head + gh
+        losses.append(float(loss / f32(tokens)))
+        for k, (weight, grad) in enumerate(((emb, g_emb / f32(tokens)), (head, g_head / f32(tokens)))):
+            m, v = moments[2 * k], moments[2 * k + 1]
+            m[:] = f32(0.9) * m + f32(0.1) * grad
+            v[:] = f32(0.95) * v + f32(0.05) * grad * grad
+            update = (m / f32(1 - 0.9**step)) / (np.sqrt(v / f32(1 - 0.95**step)) + f32(1e-8))
+            weight -= f32(1e-3) * (update + f32(0.1) * weight)
+    return losses
+
+
+def test_layout_loss_tolerance_is_the_reordered_sum_bound_then_adds_the_drift_envelope():
+    # Step 1, written out: 6 sigmas of sqrt(2) x u |mean| sqrt(n) / 3 (fp32_mean_tolerance's derivation).
+    u = 2.0**-24
+    step1 = 6 * 2**0.5 * u * 8.3 * 1024**0.5 / 3
+    assert layout_loss_tolerance(8.3, 1024, 1) == pytest.approx(step1, rel=1e-12) == pytest.approx(4.47e-5, rel=1e-2)
+    assert layout_loss_tolerance(8.3, 1024, 1, both_fp32=False) == pytest.approx(step1 / 2**0.5, rel=1e-12)
+    # Later steps: the same plus the measured envelope, 2.5e-4 (5x the largest gap on record, 4.4e-5).
+    for step in (2, 7, 20):
+        assert layout_loss_tolerance(8.3, 1024, step) == pytest.approx(step1 + 2.5e-4, rel=1e-12)
+    with pytest.raises(ValueError, match="step=0"):
+        layout_loss_tolerance(8.3, 1024, 0)
+
+
+def test_layout_loss_tolerance_holds_for_a_reordered_fp32_training_and_a_layout_bug_crosses_it():
+    """An fp32 AdamW training written here (``_toy_fp32_training``) on one device and on 4 shards:
+    every step within the bound (measured: at most 1.9e-6, against 2.4e-5 at step 1 and 2.7e-4
+    later). Two layout bugs on the same shards cross it at every step they can show at: a lost
+    shard gradient from step 2 on (6.6x the bound at step 2, 84x at step 20), a misplaced shard's
+    labels from step 1 on (810x at step 1, 1.6x at its smallest, step 2)."""
+    whole, shards = _toy_fp32_training("whole"), _toy_fp32_training("shards")
+    assert whole[0] - whole[-1] > 0.1  # it learns, so the weights move
+    gaps = [abs(a - b) for a, b in zip(whole, shards)]
+    assert max(gaps) > 0  # the two layouts do round differently
+    for step, (loss, gap) in enumerate(zip(whole, gaps), start=1):
+        assert gap <= layout_loss_tolerance(loss, 512, step), (step, gap)
+    for bug, first in (("lost_shard", 2), ("shifted_labels", 1)):
+        wrong = _toy_fp32_training("shards", bug)
+        for step in range(first, len(whole) + 1):
+            gap = abs(wrong[step - 1] - whole[step - 1])
+            assert gap > layout_loss_tolerance(whole[step - 1], 512, step), (bug, step, gap)

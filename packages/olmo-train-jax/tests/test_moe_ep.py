@@ -1,12 +1,17 @@
 """Expert parallelism on 4 simulated CPU devices (fp32, tiny-moe): 20 AdamW steps with the
-experts split over expert=4 follow the all-local run within 1e-5; random routing gives the
-same model output on a data 2 x expert 2 mesh; an imbalanced router sends every token to
-one expert rank (load max/mean = 4) and still drops nothing.
+experts split over expert=4 follow the all-local run within ``olmo_model.layout_loss_tolerance``
+(step 1 at the reordered-sum bound of the step's 256 token losses, 2.3e-5; later steps 2.5e-4 more
+for AdamW's drift; measured at most 1.9e-6 natively and with ``--xla_cpu_max_isa=AVX2``, 3.6e-5
+reported by CI on an AMD EPYC:
+packages/olmo-train-jax/bench/results/2026-12-03-layout-bounds-cpu.md) with the same expert counts;
+random routing gives the same model output on a data 2 x expert 2 mesh; an imbalanced router sends
+every token to one expert rank (load max/mean = 4) and still drops nothing.
 
     uv run --frozen pytest packages/olmo-train-jax/tests/test_moe_ep.py -n 0 -q
 
 The device count must be set before JAX starts, so the measurements run in a subprocess
-(this file run as a script with XLA_FLAGS) that prints them as JSON; the tests assert.
+(this file run as a script with this process's XLA_FLAGS plus its device count) that prints them
+as JSON; the tests assert.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import sys
 
 import numpy as np
 import pytest
+
+from olmo_model import layout_loss_tolerance
 
 IGNORE = -100
 STEPS = 20
@@ -177,7 +184,8 @@ def _measure() -> dict:
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -186,7 +194,8 @@ def measured() -> dict:
 def test_expert_parallel_training_follows_local_for_20_steps(measured):
     local, ep4 = np.array(measured["losses_local"]), np.array(measured["losses_ep4"])
     assert len(local) == len(ep4) == STEPS
-    assert np.abs(local - ep4).max() <= 1e-5
+    for s in range(1, STEPS + 1):  # 8 rows of 32 next-token losses, the mean the loss takes
+        assert abs(local[s - 1] - ep4[s - 1]) <= layout_loss_tolerance(local[s - 1], 8 * 32, s), (s, local, ep4)
     assert local[-1] < local[0] - 0.5  # a real curve, not a flat line
     assert measured["counts_local"] == measured["counts_ep4"]
     assert measured["dropped_ep4"] == [0] * STEPS

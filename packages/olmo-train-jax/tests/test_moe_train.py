@@ -1,7 +1,9 @@
 """``olmo-train-jax`` on an MoE spec (tiny-moe, CPU, fp32, learned routing): the real entry
 point on one device and on 4 (fsdp 2 x expert 2: expert parallelism with sharded weights).
 The train lines carry the MoE metrics of the contract, and the losses (CE + z-loss + the MoE
-aux losses over the global micro-batch) agree within 1e-5 as long as the routing is the same.
+aux losses over the global micro-batch) agree within ``olmo_model.layout_loss_tolerance`` (the
+reordered-sum bound of the step's 1024 token losses at step 1, plus AdamW's measured drift
+envelope later) as long as the routing is the same.
 
 Why not for all steps: top-k routing is discontinuous. The forward is bitwise the same on
 every layout (the router's softmax and top-k renormalisation sum in a fixed order,
@@ -21,7 +23,7 @@ embedded sample mixture instead, ``bench/layout_drift.py``: step 12 and step 16;
 step flips first is a property of rounding order, not of correctness, so the
 test finds it and checks the losses up to it; routing must be identical for at least the
 first MIN_SAME_ROUTING_STEPS steps (step 1 from identical weights, step 2 after one update).
-Uniform routing, which cannot flip, stays within 1e-5 for 20 steps in
+Uniform routing, which cannot flip, stays within that bound for 20 steps in
 ``test_moe_trainer.py``. Exact agreement over many learned steps needs a layout-independent
 gradient reduction (not done).
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 import pytest
 from test_train import run_subprocess, train_losses, write_mixture
 
-from olmo_model import get_preset
+from olmo_model import get_preset, layout_loss_tolerance
 from olmo_model.runlog import TRAIN_KEYS, read_metrics
 from olmo_train_jax.cli import main
 
@@ -112,7 +114,7 @@ def test_four_devices_match_one_device(mixture, one_device_run, tmp_path):
     first_flip = next((s for s in range(1, STEPS + 1) if counts["one"][s] != counts["four"][s]), STEPS + 1)
     assert first_flip > MIN_SAME_ROUTING_STEPS, f"routing differs already at step {first_flip}"
     for s in range(1, first_flip):
-        assert abs(one[s] - four[s]) <= 1e-5, (s, one[s], four[s])
+        assert abs(one[s] - four[s]) <= layout_loss_tolerance(one[s], 1024, s), (s, one[s], four[s])
     loads = [r["moe_rank_load_max_over_mean"] for r in read_metrics(run_dir) if r["kind"] == "train"]
     # Two expert ranks: the real EP size, so max/mean lies in [1, 2] (one rank: always 1.0).
     assert all(1.0 <= x <= 2.0 for x in loads) and max(loads) > 1.0

@@ -3,7 +3,8 @@ processes x 4 simulated CPU devices on 127.0.0.1 (gloo collectives, JAX's defaul
 against the same job as 1 process x 8 devices.
 
 - data 4 x fsdp 2, started with JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID:
-  every step's loss within the fp32 bound of the 1-process run; process 1 SIGKILLed after the
+  every step's loss within the layout bound (``olmo_model.layout_loss_tolerance``) of the
+  1-process run; process 1 SIGKILLed after the
   step-3 checkpoint: process 0 exits non-zero within 2 x jax.heartbeat_timeout_seconds (it
   aborts: neither process cleans up); relaunched, steps 4-6 are bitwise those of the
   uninterrupted 2-process run; the same checkpoint resumed on 1 process is within the bound;
@@ -48,7 +49,7 @@ from ranks import run_forked, start_forked
 from test_train import _documents
 
 from olmo_data import MixtureLoader, load_mixture
-from olmo_model import fp32_mean_tolerance
+from olmo_model import layout_loss_tolerance
 from olmo_model.recipe import RecipeError, load_recipe
 from olmo_model.runlog import complete_checkpoints, read_metrics
 from olmo_run.driver import SHARED_CHECK_FILE, check_shared_run_dir
@@ -86,8 +87,9 @@ def _clean_env(devices: int) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "JAX_COORDINATOR", "JAX_NUM_", "JAX_PROCESS_", "JAX_LOCAL_"))
     }
+    # This process's own XLA_FLAGS come along (a CPU code path chosen by flags: --xla_cpu_max_isa=AVX2).
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip(),
     )
     return env
 
@@ -212,16 +214,16 @@ def records(run_dir: Path) -> dict[int, dict]:
 
 
 def assert_close(want: dict[int, dict], got: dict[int, dict], steps) -> None:
-    """Losses within the fp32 bound of a reordered sum (test_train.loss_tolerance: the
-    layouts reorder the sum of a step's 16 x 64 token losses, and the weights' own drift
-    over these few steps stays below that); grad norms within 1e-3 relative, far below the
-    factor a normalisation or reduction bug moves them by."""
+    """Step s of two runs from the same initial weights (a resumed run's too: its checkpoint
+    came from such a run) within ``layout_loss_tolerance`` of the step's 16 x 64 token losses
+    (the reordered-sum bound at step 1, plus AdamW's measured drift envelope later); grad norms
+    within 1e-3 relative, far below the factor a normalisation or reduction bug moves them by."""
     for s in steps:
         a, b = want[s], got[s]
-        assert abs(a["loss"] - b["loss"]) <= fp32_mean_tolerance(a["loss"], 16 * 64), (s, a["loss"], b["loss"])
+        assert abs(a["loss"] - b["loss"]) <= layout_loss_tolerance(a["loss"], 16 * 64, s), (s, a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (s, a["grad_norm"], b["grad_norm"])
     # The comparison means something only if training moves the loss far more than the bound.
-    assert want[1]["loss"] - want[STEPS]["loss"] > 50 * fp32_mean_tolerance(want[1]["loss"], 16 * 64)
+    assert want[1]["loss"] - want[STEPS]["loss"] > 10 * layout_loss_tolerance(want[1]["loss"], 16 * 64, STEPS)
 
 
 # ---- fixtures ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Expert parallelism over 4 gloo processes (CPU, float32) against the same computation in
 one process: the MoE block's outputs, aux losses, gradients and real per-rank load, and 20
-AdamW steps of the tiny-moe model, whose losses must follow the EP=1 run within 1e-5."""
+AdamW steps of the tiny-moe model, whose losses must follow the EP=1 run within
+``olmo_model.layout_loss_tolerance`` (``_assert_follows``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from olmo_model import MoESpec, get_preset
+from olmo_model import MoESpec, get_preset, layout_loss_tolerance
 from olmo_model.moe import rank_load_max_over_mean
 from olmo_train_torch.expert_parallel import (
     apply_expert_parallel,
@@ -177,13 +178,21 @@ def _train(model, group, rank: int, world: int, wrapped=None, steps: int = STEPS
     return losses
 
 
+def _assert_follows(losses: list[float], one_losses: list[float], what: str) -> None:
+    """Step s of a run from the EP=1 run's initial weights within ``layout_loss_tolerance`` of the
+    step's ROWS x SEQ token losses: the reordered-sum bound at step 1, plus AdamW's measured drift
+    envelope from step 2 on (the gaps measured on both CPU code paths:
+    packages/olmo-train-jax/bench/results/2026-12-03-layout-bounds-cpu.md)."""
+    for s, (got, want) in enumerate(zip(losses, one_losses, strict=True), start=1):
+        tol = layout_loss_tolerance(want, ROWS * SEQ, s)
+        assert abs(got - want) <= tol, f"{what} departs from EP=1 at step {s} by {abs(got - want):.2e} > {tol:.2e}"
+
+
 def _train_worker(rank: int, port: int, model, one_losses: list[float]) -> None:
     _init(rank, port)
     try:
         apply_expert_parallel(model, dist.group.WORLD)
-        ep_losses = _train(model, dist.group.WORLD, rank, EP)
-        diffs = np.abs(np.array(ep_losses) - np.array(one_losses))
-        assert diffs.max() < 1e-5, f"EP=4 departs from EP=1 by {diffs.max():.2e}: {ep_losses} vs {one_losses}"
+        _assert_follows(_train(model, dist.group.WORLD, rank, EP), one_losses, "EP=4")
     finally:
         dist.destroy_process_group()
 
@@ -212,8 +221,7 @@ def _wrapped_worker(rank: int, port: int, model, one_losses: list[float]) -> Non
         losses = _train(
             replica, dist.group.WORLD, rank, EP, steps=WRAPPED_STEPS, expert_dp_group=replica_groups[rank % 2]
         )
-        diffs = np.abs(np.array(losses) - np.array(one_losses))
-        assert diffs.max() < 1e-5, f"EP=2 x 2 replicas departs from EP=1 by {diffs.max():.2e}"
+        _assert_follows(losses, one_losses, "EP=2 x 2 replicas")
         for mode in ("ddp", "fsdp"):
             replica = copy.deepcopy(model)
             mesh = init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",))
@@ -227,8 +235,7 @@ def _wrapped_worker(rank: int, port: int, model, one_losses: list[float]) -> Non
                     fully_shard(block, mesh=mesh, ignored_params=experts)
                 wrapped = fully_shard(replica, mesh=mesh, ignored_params=experts)
             losses = _train(replica, dist.group.WORLD, rank, EP, wrapped=wrapped, steps=WRAPPED_STEPS)
-            diffs = np.abs(np.array(losses) - np.array(one_losses))
-            assert diffs.max() < 1e-5, f"EP=4 + {mode} departs from EP=1 by {diffs.max():.2e}: {losses} vs {one_losses}"
+            _assert_follows(losses, one_losses, f"EP=4 + {mode}")
     finally:
         dist.destroy_process_group()
 

@@ -1,10 +1,11 @@
 """MoE run modes in the torch trainer (CPU, gloo, fp32, tiny-moe): ``torch.expert_parallel``
 and ``moe.routing`` through the real entry point and through ``train_step``.
 
-- EP=4 (4 processes, FSDP2 on the dense parts) follows EP=1 (one process) within 1e-5 for
-  20 steps, nothing dropped, and the logged per-rank load is the one of 4 expert ranks;
+- EP=4 (4 processes, FSDP2 on the dense parts) follows EP=1 (one process) within
+  ``olmo_model.layout_loss_tolerance`` for 20 steps, nothing dropped, and the logged per-rank
+  load is the one of 4 expert ranks;
 - exact (bitwise) resume of an EP=2 run after SIGKILL, and the same checkpoint resumed on
-  one process (experts resharded by DCP) within 1e-5;
+  one process (experts resharded by DCP) within that bound, counted from the checkpoint;
 - uniform and random routing do not depend on the rank layout: the same per-expert counts
   on 1 process and on 4 (EP=4 under FSDP2, EP=2 x 2 replicas under DDP), and the uniform
   counts equal those derived by hand for the global micro-batch;
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from ranks import start_ranks
 
-from olmo_model import fp32_mean_tolerance
+from olmo_model import fp32_mean_tolerance, layout_loss_tolerance
 from olmo_model.recipe import RecipeError, batch_layout, load_recipe
 from olmo_model.runlog import SpikeGuard, complete_checkpoints
 from olmo_train_torch.model import build_model
@@ -60,9 +61,11 @@ def test_ep4_follows_ep1_for_20_steps_and_drops_nothing(harness, mixture, tmp_pa
     assert want[-1]["loss"] < want[0]["loss"] - 0.5, "the run does not learn"
     for a, b in zip(want, got):
         assert a["batch_digest"] == b["batch_digest"]
-        # 1 vs 4 ranks reorder the fp32 sums of the step's 16 x 64 token losses (the bound's derivation:
-        # olmo_model.fp32_mean_tolerance); learned routing's flips, kept small by the lr above, add to it.
-        assert abs(a["loss"] - b["loss"]) <= fp32_mean_tolerance(a["loss"], 16 * 64), (a["step"], a["loss"], b["loss"])
+        # 1 vs 4 ranks reorder the fp32 sums of the step's 16 x 64 token losses, and from step 2 AdamW
+        # carries that forward (olmo_model.layout_loss_tolerance); learned routing's flips, kept small by
+        # the lr above, add to it.
+        tol = layout_loss_tolerance(a["loss"], 16 * 64, a["step"])
+        assert abs(a["loss"] - b["loss"]) <= tol, (a["step"], a["loss"], b["loss"])
     for r in got:
         counts = np.array(r["moe_tokens_per_expert"])
         assert r["moe_dropped_tokens"] == 0
@@ -108,7 +111,8 @@ def test_ep2_checkpoint_resumes_on_one_process_with_experts_resharded(harness, m
     want = {r["step"]: r for r in harness.train_lines(reference)}
     for r in harness.train_lines(run_dir)[2:]:
         assert r["step"] in (3, 4) and r["batch_digest"] == want[r["step"]]["batch_digest"]
-        assert abs(r["loss"] - want[r["step"]]["loss"]) <= fp32_mean_tolerance(r["loss"], 16 * 64), r["step"]
+        tol = layout_loss_tolerance(r["loss"], 16 * 64, r["step"] - 2)  # steps from the step-2 checkpoint
+        assert abs(r["loss"] - want[r["step"]]["loss"]) <= tol, r["step"]
         assert abs(r["grad_norm"] - want[r["step"]]["grad_norm"]) <= 1e-4 * r["grad_norm"], r["step"]
 
 

@@ -1,14 +1,16 @@
 """Data parallelism over processes (torchrun, gloo on CPU, fp32): 4 processes (HSDP 2 x 2)
 follow the single-process run per step, and an elastic resume of that 4-process run's step-10
 checkpoint on 2 processes (DDP, 2 accumulation micro-steps) sees the same global batches and
-follows the uninterrupted 4-process run. "Follows" is within ``fp32_mean_tolerance``: the rank
-count reorders the fp32 sums of the step's 16 x 64 token losses (4.5e-5 at loss 8.3)."""
+follows the uninterrupted 4-process run. "Follows" is within ``layout_loss_tolerance``: the rank
+count reorders the fp32 sums of the step's 16 x 64 token losses (4.5e-5 at loss 8.3 at the first
+step from equal weights), and from the next step on AdamW carries that forward (2.5e-4 more: a
+measured drift envelope, the helper's docstring)."""
 
 from __future__ import annotations
 
 import shutil
 
-from olmo_model import fp32_mean_tolerance
+from olmo_model import layout_loss_tolerance
 from olmo_model.runlog import checkpoint_dir
 
 
@@ -22,7 +24,8 @@ def test_four_processes_match_one_then_resume_on_two(harness, mixture, one_proce
     assert len(ref) == len(one) == 20
     for a, b in zip(one, ref):
         assert a["batch_digest"] == b["batch_digest"]
-        assert abs(a["loss"] - b["loss"]) <= fp32_mean_tolerance(a["loss"], 16 * 64), (a["step"], a["loss"], b["loss"])
+        tol = layout_loss_tolerance(a["loss"], 16 * 64, a["step"])
+        assert abs(a["loss"] - b["loss"]) <= tol, (a["step"], a["loss"], b["loss"])
         assert b["tokens_per_second_per_device"] * 4 == b["tokens_per_second"]
 
     elastic = tmp_path / "elastic"
@@ -36,7 +39,8 @@ def test_four_processes_match_one_then_resume_on_two(harness, mixture, one_proce
     assert [r["step"] for r in got] == list(range(1, 21))
     for a, b in zip(ref[10:], got[10:]):
         assert a["batch_digest"] == b["batch_digest"]
-        assert abs(a["loss"] - b["loss"]) <= fp32_mean_tolerance(a["loss"], 16 * 64), (a["step"], a["loss"], b["loss"])
+        tol = layout_loss_tolerance(a["loss"], 16 * 64, a["step"] - 10)  # steps from the step-10 checkpoint
+        assert abs(a["loss"] - b["loss"]) <= tol, (a["step"], a["loss"], b["loss"])
 
 
 def test_fsdp_bf16_with_activation_checkpointing_tracks_fp32(harness, mixture, one_process_run, tmp_path):

@@ -237,3 +237,48 @@ def fp32_mean_tolerance(mean: float, count: int, *, both_fp32: bool = True, sigm
     Olmo-sized example: 1024 tokens at loss 8.3 give 4.5e-5 between two fp32 runs."""
     std = FP32_UNIT_ROUNDOFF * abs(mean) * count**0.5 / 3
     return sigmas * std * (2**0.5 if both_fp32 else 1.0)
+
+
+# What two fp32 runs' logged losses may drift apart once their weights differ in the last bits:
+# a measured envelope times a safety factor, not a derivation (layout_loss_tolerance says why).
+LAYOUT_DRIFT_LOSS = 2.5e-4
+
+
+def layout_loss_tolerance(loss: float, count: int, step: int, *, both_fp32: bool = True) -> float:
+    """How far the logged loss of two fp32 training runs that differ only in layout (mesh, rank or
+    process count, micro-batch split, context split, CPU code path) may part at the ``step``-th
+    step they take from bitwise-equal weights: 1 for the first step from the same initial weights
+    or the same checkpoint, 2 for the next, and so on. ``loss``: the step's loss (either run's);
+    ``count``: the token losses its mean sums.
+
+    Step 1: ``fp32_mean_tolerance(loss, count)``. The weights are equal, so the layouts differ only
+    in the order of their fp32 sums; that function derives the bound for the loss mean.
+
+    Steps 2 on: that plus LAYOUT_DRIFT_LOSS. From step 2 the weights themselves differ in their
+    last bits (the gradients were summed in another order), and AdamW divides each gradient
+    element by its own running RMS: where a gradient is near zero, a last-bit difference becomes
+    an update difference of up to the learning rate, and on some trajectories these grow
+    chaotically (one of 14 in
+    packages/olmo-train-jax/bench/results/2026-12-02-layout-drift-moe-uniform-cpu.md parts from
+    step 7 on, as much under a one-device micro-batch split as under expert parallelism).
+    No rounding derivation bounds that, so LAYOUT_DRIFT_LOSS is an envelope of measurement times
+    a safety factor, from the trainers' layout tests (fp32, lr 5e-4 to 3e-3, up to 20 steps,
+    losses 7-8.4) on both CPU code paths: natively (AVX-512) and with the AVX2 kernels
+    (``XLA_FLAGS=--xla_cpu_max_isa=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2``)
+    every test stays at or below 2.9e-5 (torch expert parallelism, AVX2, step 19; 4.8e-6 for
+    every other test on either path), and CPUs without AVX-512 reported up to 4.4e-5 (tiny-moe
+    expert parallelism, step 14; CI on an AMD EPYC: 3.6e-5 and 2.3e-5). 5 x 4.4e-5, rounded up, is
+    2.5e-4. Every test's gap and margin on both paths:
+    packages/olmo-train-jax/bench/results/2026-12-03-layout-bounds-cpu.md.
+
+    Why that still catches a layout bug: a bug in what a layout computes shows at step 1, where
+    the bound is the derived one (2.3e-5 to 4.5e-5 at 256 to 1024 tokens): simulated, a context-
+    parallel halo one key short or long moves the step-1 loss by 1.9e-3 to 2.0e-3 (43-44x), a lost
+    document mask by 2.8e-3 (63x), a wrong expert all-to-all return by 2.2e-3 (70x); a bug only in
+    the backward (a doubled or lost expert gradient) shows from step 2, by 1e-3 or more at most
+    steps (median 1.8e-3 to 3.0e-3, 6-11x the later bound). A test asserts every step, so one step
+    past the bound fails it."""
+    if step < 1:
+        raise ValueError(f"layout_loss_tolerance: step={step}; the first step from equal weights is 1")
+    bound = fp32_mean_tolerance(loss, count, both_fp32=both_fp32)
+    return bound if step == 1 else bound + LAYOUT_DRIFT_LOSS
