@@ -228,3 +228,17 @@ def test_a_source_path_that_is_a_folder_of_token_files_is_read(tmp_path, capsys,
     mixture.write_text(mixture.read_text().replace("- code/a.npy", "- code"))
     status, lines = cli(run_args(tmp_path, mixture), capsys)
     assert status == 0 and lines == []
+
+
+def test_help_lists_every_exit_status_the_cli_returns(capsys):
+    """--help's table (olmo_run.cli.EXIT_STATUSES) names each status run_cli can return: the
+    statuses written in the code, not a copy of the table."""
+    import re
+
+    from olmo_run.cli import EXIT_STATUSES, EXIT_WRITE_FAILED, run_cli
+    from olmo_run.preempt import EXIT_PREEMPTED
+
+    listed = {int(n) for n in re.findall(r"^  (\d+)  ", EXIT_STATUSES, re.M)}
+    assert listed == {0, 1, 2, 3, EXIT_PREEMPTED, EXIT_WRITE_FAILED}
+    assert run_cli("olmo-train-x", "doc", ["--help"], lambda: lambda recipe: None, ()) == 0
+    assert EXIT_STATUSES in capsys.readouterr().out

@@ -29,6 +29,18 @@ from olmo_model.runlog import RunDirWriteError, TrainingDivergedError, TrainingS
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
 from .preempt import EXIT_PREEMPTED, Preempted
 
+# What ``--help`` says of the exit statuses, after the trainer's own text.
+EXIT_STATUSES = """Exit statuses:
+  0  finished (or already complete)
+  2  bad input (recipe, spec, data, checkpoint): one line, nothing written
+  3  diverged (non-finite loss or state, too many skipped steps): one line, no bad checkpoint
+  4  preempted (SIGTERM / SIGINT): the step in flight finished and its checkpoint committed;
+     rerun the same command to resume. A second signal, or checkpoint.preempt_timeout_s without
+     an end, exits at once with 128 + the signal number, the newest committed checkpoint kept
+  5  a checkpoint or metrics write failed (a full disk): one line naming the file and the
+     reason; the newest complete checkpoint stays the latest, rerun once the fault is fixed
+  1  (dry run) the step does not fit the devices; otherwise a bug: its traceback"""
+
 # Bad input, as opposed to a bug, whichever trainer reads it (each adds its own weight errors).
 INPUT_ERRORS: tuple[type[Exception], ...] = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError)
 # A checkpoint or metrics write that failed mid-run (runlog.RunDirWriteError: a full disk, say).
@@ -52,7 +64,7 @@ def run_cli(
     ``dry_run`` returns the trainer's ``(recipe, device_kind, count) -> DryRunReport``."""
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
-        print(f"{doc}\n{recipe_help()}")
+        print(f"{doc}\n{EXIT_STATUSES}\n\n{recipe_help()}")
         return 0
     try:
         print_recipe = "--print-recipe" in args

@@ -8,13 +8,7 @@ of 16 x 512 tokens). A recipe, spec, data or checkpoint problem prints one line 
 and exits with status 2, before anything is written to the run dir. A run that diverges (a
 non-finite loss or state, or too many skipped steps in a row) stops with one line and status
 3, before any checkpoint of the bad state is written.
-SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C): the step in flight
-finishes, its checkpoint is committed, one line, exit status 4; rerun the same command to
-resume. A second signal (or checkpoint.preempt_timeout_s without an end) exits at once with
-status 128 + the signal number, keeping the newest committed checkpoint. A checkpoint or
-metrics write that fails (a full disk) stops the run before its next step with one line naming
-the file and the reason ("No space left on device"), exit status 5; the rerun resumes from the
-newest complete checkpoint.
+The exit statuses, all of them, follow in ``--help`` (``olmo_run.cli.EXIT_STATUSES``).
 """
 
 from __future__ import annotations
