@@ -11,7 +11,7 @@ exactly as written (from a scratch working dir, so their ``runs/...`` paths reso
   same YaRN rope parameters, and the trained model's logits in the trainer's framework equal
   transformers' YaRN logits, which differ from plain RoPE's beyond the original 64 tokens.
 - Weights only means a fresh AdamW (its step count restarts); init.load_optimizer carries it on.
-The framework-neutral resolution of ``init.checkpoint`` (olmo_model.init_source) is tested
+The framework-neutral resolution of ``init.checkpoint`` (olmo_run.init_source) is tested
 directly at the end.
 """
 
@@ -29,9 +29,9 @@ import transformers
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 from olmo_model import ModelSpec, hf_config, load_spec
-from olmo_model.init_source import resolve_checkpoint, resolve_init
-from olmo_model.recipe import load_recipe
-from olmo_model.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, read_metrics, training_meta
+from olmo_run.init_source import resolve_checkpoint, resolve_init
+from olmo_run.recipe import load_recipe
+from olmo_run.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, read_metrics, training_meta
 from olmo_tools.train_state import read_training_state
 
 transformers.logging.set_verbosity_error()  # YaRN factor != max_pos / original context warns; intended
@@ -158,7 +158,7 @@ def test_stage3_trains_longer_sequences_with_yarn(curriculum, run_helpers):
     assert yarn_vs_plain > 20 * ours_vs_yarn, (yarn_vs_plain, ours_vs_yarn)
 
 
-# ---- olmo_model.init_source: resolving init.checkpoint -------------------------------------------
+# ---- olmo_run.init_source: resolving init.checkpoint -------------------------------------------
 
 
 def fake_checkpoint(run: Path, step: int, framework: str, spec_name: str = "tiny") -> Path:

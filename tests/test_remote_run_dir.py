@@ -26,8 +26,8 @@ from ranks import run_cli_forked
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
 from olmo_model import layout_loss_tolerance
-from olmo_model.runlog import complete_checkpoints, read_metrics, read_verified_meta
-from olmo_model.storage import URLPath, local_copy
+from olmo_run.runlog import complete_checkpoints, read_metrics, read_verified_meta
+from olmo_run.storage import URLPath, local_copy
 
 pytest_plugins = ["object_store"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

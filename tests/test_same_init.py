@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from olmo_model.recipe import load_recipe
+from olmo_run.recipe import load_recipe
 
 SCRIPT = Path(__file__).resolve().parent / "support" / "jax_initial_weights.py"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

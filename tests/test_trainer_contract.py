@@ -49,8 +49,8 @@ from olmo_data import load_mixture
 from olmo_data.digest import batch_digest
 from olmo_model import fp32_mean_tolerance, get_preset, hf_config, hf_param_shapes, layout_loss_tolerance
 from olmo_model.moe import MOE_KEYS
-from olmo_model.recipe import load_recipe
-from olmo_model.runlog import TRAIN_KEYS, checkpoint_dir, complete_checkpoints, read_metrics
+from olmo_run.recipe import load_recipe
+from olmo_run.runlog import TRAIN_KEYS, checkpoint_dir, complete_checkpoints, read_metrics
 
 # The fixtures one_torch_thread and run_helpers live in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from olmo_model.recipe import load_recipe
+from olmo_run.recipe import load_recipe
 from olmo_train_jax import sharding
 from olmo_train_jax.checkpoint import abstract_like
 from olmo_train_jax.hf_adapter import initial_params, to_hf

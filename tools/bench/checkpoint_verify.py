@@ -40,8 +40,8 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_model import hf_param_shapes, load_spec
-from olmo_model.recipe import load_recipe
-from olmo_model.runlog import commit_checkpoint, read_verified_meta, training_meta, write_atomic
+from olmo_run.recipe import load_recipe
+from olmo_run.runlog import commit_checkpoint, read_verified_meta, training_meta, write_atomic
 
 RESULTS = Path(__file__).parent / "results"
 # DCP announces on every call that it runs without a process group, which is the point here.

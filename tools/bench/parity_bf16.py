@@ -47,7 +47,7 @@ from rich.table import Table
 from olmo_data import DataError, load_mixture
 from olmo_data.sample import sample_mixture_path
 from olmo_model.presets import SpecError
-from olmo_model.recipe import RecipeError, load_recipe
+from olmo_run.recipe import RecipeError, load_recipe
 from olmo_tools.convert import main as convert_main
 from olmo_tools.formats import DTYPES, CheckpointError
 from olmo_tools.parity import Side, compare, load_side

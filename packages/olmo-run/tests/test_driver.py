@@ -28,8 +28,10 @@ import pytest
 
 from olmo_data import load_mixture
 from olmo_model import flops_per_token
-from olmo_model.recipe import RecipeError, load_recipe
-from olmo_model.runlog import (
+from olmo_run import StepResult, announce_finished, plan_run, run
+from olmo_run.driver import host_memory
+from olmo_run.recipe import RecipeError, load_recipe
+from olmo_run.runlog import (
     TRAIN_KEYS,
     TrainingDivergedError,
     checkpoint_dir,
@@ -37,8 +39,6 @@ from olmo_model.runlog import (
     complete_checkpoints,
     read_metrics,
 )
-from olmo_run import StepResult, announce_finished, plan_run, run
-from olmo_run.driver import host_memory
 from olmo_run.sinks import check_sinks, scalars
 
 STEPS = 6
@@ -386,7 +386,7 @@ def test_profile_window(mixture, tmp_path):
 def test_a_missing_sink_package_is_one_line(monkeypatch):
     import importlib.util
 
-    from olmo_model.recipe import Recipe
+    from olmo_run.recipe import Recipe
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

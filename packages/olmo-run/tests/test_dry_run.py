@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from olmo_model.plan import GIB, make_plan
-from olmo_model.recipe import RecipeError, load_recipe
 from olmo_run.cli import INPUT_ERRORS, run_cli
 from olmo_run.dry_run import DryRunReport, parse_dry_run_args, print_report
+from olmo_run.plan import GIB, make_plan
+from olmo_run.recipe import RecipeError, load_recipe
 
 RECIPE = "recipes/olmo3-7b/stage1.yaml"
 

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from olmo_model.runlog import (
+from olmo_run import StepResult, plan_run, run
+from olmo_run.cli import EXIT_WRITE_FAILED, INPUT_ERRORS, run_cli
+from olmo_run.runlog import (
     SpikeGuard,
     checkpoint_dir,
     commit_checkpoint,
@@ -24,8 +26,6 @@ from olmo_model.runlog import (
     os_error_code,
     read_metrics,
 )
-from olmo_run import StepResult, plan_run, run
-from olmo_run.cli import EXIT_WRITE_FAILED, INPUT_ERRORS, run_cli
 
 FULL_AT = 3
 ARGS = [

@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
 
     from olmo_model import get_preset
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_jax import sharding as sh
     from olmo_train_jax.causal_attention import context_attention
     from olmo_train_jax.model import attention, build_model

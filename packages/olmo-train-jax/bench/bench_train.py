@@ -33,7 +33,7 @@ def jax_step(spec, ids: np.ndarray, labels: np.ndarray):
     callable that runs one step and returns its loss."""
     import jax.numpy as jnp
 
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step
 
@@ -126,7 +126,7 @@ def bench_pieces(spec, seq: int, batch: int, steps: int, ids: np.ndarray, labels
     from transformers import Olmo3Config, Olmo3ForCausalLM
 
     from olmo_model import hf_config
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_jax.head_loss import head_loss_sums
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import make_optimizer, token_loss_sums

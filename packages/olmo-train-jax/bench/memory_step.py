@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from olmo_model import get_preset
-from olmo_model.recipe import load_recipe
+from olmo_run.recipe import load_recipe
 from olmo_train_jax import model as model_module
 from olmo_train_jax.layers import plain_rms_norm, plain_swiglu_down
 from olmo_train_jax.model import REMAT_POLICIES, build_model

@@ -54,7 +54,7 @@ def test_unknown_impl_fails():
 
 
 def test_recipe_rejects_unknown_attention():
-    from olmo_model.recipe import RecipeError, load_recipe
+    from olmo_run.recipe import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match="attention"):
         load_recipe(None, ["--jax.attention=flash"])

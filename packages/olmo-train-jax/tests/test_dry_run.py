@@ -27,7 +27,7 @@ pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu 
 
 from olmo_model import flops_per_token, param_counts  # noqa: E402
 from olmo_model.maths import matmul_params_per_token  # noqa: E402
-from olmo_model.recipe import RecipeError, load_recipe  # noqa: E402
+from olmo_run.recipe import RecipeError, load_recipe  # noqa: E402
 from olmo_train_jax import dry_run as dr  # noqa: E402
 from olmo_train_jax import sharding, train  # noqa: E402
 from olmo_train_jax.cli import main  # noqa: E402

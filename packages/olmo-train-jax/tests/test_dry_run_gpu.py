@@ -21,7 +21,7 @@ from test_dry_run import SEQ, SPEC, WINDOW, cli_json, write_recipe  # noqa: E402
 
 from olmo_model import PEAKS, flops_per_token, param_counts  # noqa: E402
 from olmo_model.maths import matmul_params_per_token  # noqa: E402
-from olmo_model.recipe import RecipeError, load_recipe  # noqa: E402
+from olmo_run.recipe import RecipeError, load_recipe  # noqa: E402
 from olmo_train_jax import dry_run as dr  # noqa: E402
 from olmo_train_jax import moe  # noqa: E402
 from olmo_train_jax.cli import main  # noqa: E402

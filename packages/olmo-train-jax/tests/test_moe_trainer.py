@@ -27,8 +27,8 @@ import pytest
 from test_train import run_subprocess, write_mixture
 
 from olmo_model import get_preset, layout_loss_tolerance
-from olmo_model.recipe import RecipeError
-from olmo_model.runlog import complete_checkpoints, read_metrics
+from olmo_run.recipe import RecipeError
+from olmo_run.runlog import complete_checkpoints, read_metrics
 from olmo_train_jax import sharding
 from olmo_train_jax.cli import main
 
@@ -196,7 +196,7 @@ def _step_jaxpr(moe_gemm: str) -> str:
     import jax.numpy as jnp
     import numpy as np
 
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step
 

@@ -21,8 +21,8 @@ import pytest
 from ranks import run_cli_forked
 
 from olmo_model import layout_loss_tolerance
-from olmo_model.recipe import load_recipe
-from olmo_model.runlog import complete_checkpoints, read_meta, read_metrics
+from olmo_run.recipe import load_recipe
+from olmo_run.runlog import complete_checkpoints, read_meta, read_metrics
 from olmo_train_jax.cli import main
 
 STEPS = 20

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from olmo_model import get_preset
-from olmo_model.recipe import RecipeError, load_recipe
+from olmo_run.recipe import RecipeError, load_recipe
 from olmo_train_jax import sharding
 from olmo_train_jax.head_loss import chunk_positions, head_loss_sums
 from olmo_train_jax.model import build_model

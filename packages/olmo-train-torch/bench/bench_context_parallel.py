@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from olmo_model import get_preset
-from olmo_model.recipe import Recipe, batch_layout
-from olmo_model.runlog import SpikeGuard
+from olmo_run.recipe import Recipe, batch_layout
+from olmo_run.runlog import SpikeGuard
 from olmo_train_torch.parallelize import Distributed, build_mesh
 from olmo_train_torch.train import make_optimizer, start_model, train_step
 
@@ -79,7 +79,7 @@ def categorize(prof) -> dict[str, float]:
 def memory() -> None:
     from pathlib import Path
 
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_torch.dry_run import dry_run
 
     gib = 2**30

@@ -23,7 +23,7 @@ import time
 import torch
 from torch.distributed.tensor import DTensor
 
-from olmo_model.recipe import load_recipe
+from olmo_run.recipe import load_recipe
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh, init_distributed
 from olmo_train_torch.train import start_model
 

@@ -94,8 +94,8 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     import torch.distributed as dist
 
     from olmo_model import reference
-    from olmo_model.recipe import Recipe, batch_layout
-    from olmo_model.runlog import SpikeGuard
+    from olmo_run.recipe import Recipe, batch_layout
+    from olmo_run.runlog import SpikeGuard
     from olmo_train_torch.hf_adapter import model_from_hf
     from olmo_train_torch.parallelize import Distributed, build_context, build_mesh
     from olmo_train_torch.train import make_optimizer, start_model, train_step
@@ -236,7 +236,7 @@ def test_halo_plan_brings_exactly_the_window():
 
 def test_bad_context_degrees_are_refused(harness, mixture, capsys):
     """One line naming torch.context_parallel and the fix, before anything runs."""
-    from olmo_model.recipe import RecipeError, TorchSection
+    from olmo_run.recipe import RecipeError, TorchSection
     from olmo_train_torch.parallelize import check_context_sequence, check_parallel
 
     harness.refused(
@@ -308,7 +308,7 @@ def test_losses_follow_cp1_for_20_steps(measured, config, masking):
 
 def _activation_worker(rank: int, port: int, seq: int, out_path: str) -> None:
     """The dry run's per-rank figures for CP = 1, 2, 4 (one sequence per data-parallel rank), as JSON."""
-    from olmo_model.recipe import Recipe
+    from olmo_run.recipe import Recipe
     from olmo_train_torch.dry_run import dry_run
 
     out = {}
@@ -355,7 +355,7 @@ def test_trainer_resumes_across_context_degrees(harness, tmp_path):
     ``layout_loss_tolerance`` of the uninterrupted CP = 4 run's, counted from the step-3
     checkpoint both resumed runs descend from (at most GLOBAL_BATCH x SEQ token losses a step; the
     held-out loss's own token count)."""
-    from olmo_model.runlog import checkpoint_dir
+    from olmo_run.runlog import checkpoint_dir
 
     mixture = harness.make_mixture(tmp_path / "mixture")
     spec_file = tmp_path / "spec.yaml"

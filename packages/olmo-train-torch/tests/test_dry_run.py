@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from olmo_model import PEAKS, get_preset, hf_param_shapes
-from olmo_model.recipe import load_recipe
+from olmo_run.recipe import load_recipe
 from olmo_train_torch.cli import main
 from olmo_train_torch.dry_run import dry_run
 

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from olmo_model import hf_param_shapes
 from olmo_model.init import init_values
-from olmo_model.recipe import load_recipe
+from olmo_run.recipe import load_recipe
 from olmo_train_torch.hf_adapter import SafetensorsBlocks, to_hf
 from olmo_train_torch.model import build_model
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh

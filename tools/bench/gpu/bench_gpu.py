@@ -162,8 +162,8 @@ def cmd_torch(args) -> None:
     import torch
 
     from olmo_model import flops_per_token, get_preset
-    from olmo_model.recipe import batch_layout, load_recipe
-    from olmo_model.runlog import SpikeGuard
+    from olmo_run.recipe import batch_layout, load_recipe
+    from olmo_run.runlog import SpikeGuard
     from olmo_train_torch import build_model
     from olmo_train_torch.parallelize import build_mesh, init_distributed
     from olmo_train_torch.train import make_optimizer, prepare_model, train_step
@@ -232,7 +232,7 @@ def cmd_jax(args) -> None:
     import jax.numpy as jnp
 
     from olmo_model import flops_per_token, get_preset
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step
 
@@ -361,7 +361,7 @@ def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
     if proc.returncode or not metrics.exists():
         tail = [ln for ln in (logs / f"cli-{framework}.log").read_text().splitlines() if ln.strip()][-3:]
         return {"name": name, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-600:]}
-    from olmo_model.runlog import read_metrics
+    from olmo_run.runlog import read_metrics
 
     lines = read_metrics(run_dir)
     train = [ln for ln in lines if ln["kind"] == "train"]
@@ -759,8 +759,8 @@ def _moe_model_torch_rows(args, spec) -> None:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from olmo_model.recipe import batch_layout, load_recipe
-    from olmo_model.runlog import SpikeGuard
+    from olmo_run.recipe import batch_layout, load_recipe
+    from olmo_run.runlog import SpikeGuard
     from olmo_train_torch.parallelize import build_mesh, init_distributed
     from olmo_train_torch.train import make_optimizer, start_model, train_step
 
@@ -850,7 +850,7 @@ def _moe_model_jax_rows(args, spec) -> None:
     import jax
     import jax.numpy as jnp
 
-    from olmo_model.recipe import load_recipe
+    from olmo_run.recipe import load_recipe
     from olmo_train_jax import moe as jax_moe
     from olmo_train_jax.model import build_model
     from olmo_train_jax.train import placed_step

@@ -47,7 +47,7 @@ from olmo_model import (
     validate_hf_tensors,
 )
 from olmo_model.presets import SpecError
-from olmo_model.runlog import CheckpointDamagedError, pid_alive, read_verified_meta
+from olmo_run.runlog import CheckpointDamagedError, pid_alive, read_verified_meta
 
 KINDS = ("hf", "olmo-core", "torch", "jax")
 CONFIG_FILE = "config.json"
@@ -199,7 +199,7 @@ def require_jax(use: str) -> None:
 
 def verified_trainer_meta(ckpt: Path) -> dict:
     """The meta.json of a trainer checkpoint folder, once its files match the sizes and sha256
-    recorded in it (olmo_model.runlog.verify_checkpoint)."""
+    recorded in it (olmo_run.runlog.verify_checkpoint)."""
     try:
         return read_verified_meta(ckpt)
     except CheckpointDamagedError as err:

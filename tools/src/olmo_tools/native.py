@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from olmo_model import ModelSpec, hf_param_shapes
-from olmo_model.init_source import LATEST, resolve_checkpoint
 from olmo_model.presets import SpecError, spec_from_dict
-from olmo_model.runlog import CheckpointDamagedError, TrainingStateError
+from olmo_run.init_source import LATEST, resolve_checkpoint
+from olmo_run.runlog import CheckpointDamagedError, TrainingStateError
 
 from .formats import (
     DCP_METADATA,
@@ -45,7 +45,7 @@ from .formats import (
 )
 
 SPEC_FILE = "spec.json"
-META_FILE = "meta.json"  # written last into each trainer checkpoint (olmo_model.runlog)
+META_FILE = "meta.json"  # written last into each trainer checkpoint (olmo_run.runlog)
 RUN_CHECKPOINTS = "checkpoints"  # a run dir's checkpoint folders
 TORCH_FILE = "model.pt"
 JAX_STATE = "state"

@@ -21,9 +21,9 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from olmo_model.init_source import resolve_checkpoint
-from olmo_model.runlog import TrainingStateError
-from olmo_model.storage import URLPath, is_url, run_path
+from olmo_run.init_source import resolve_checkpoint
+from olmo_run.runlog import TrainingStateError
+from olmo_run.storage import URLPath, is_url, run_path
 
 from .formats import CheckpointError
 

@@ -34,8 +34,8 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_model import ModelSpec
-from olmo_model.recipe import Recipe, RecipeError, load_recipe
-from olmo_model.runlog import read_metrics, write_atomic
+from olmo_run.recipe import Recipe, RecipeError, load_recipe
+from olmo_run.runlog import read_metrics, write_atomic
 
 from .formats import CheckpointError, atomic_destination, require_jax, write_hf
 

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 
 from olmo_model import ModelSpec, hf_param_shapes
-from olmo_model.init_source import resolve_checkpoint
-from olmo_model.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from olmo_model.runlog import TrainingStateError, complete_checkpoints, training_meta, write_atomic
+from olmo_run.init_source import resolve_checkpoint
+from olmo_run.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
+from olmo_run.runlog import TrainingStateError, complete_checkpoints, training_meta, write_atomic
 
 from .formats import (
     DCP_METADATA,

@@ -10,7 +10,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from .spec import ModelSpec
-from .yamlfile import read_yaml
 
 _OLMO3: dict[str, dict[str, Any]] = {
     "olmo3-14m": dict(d_model=128, n_layers=4, n_heads=8, mlp_hidden=512),
@@ -117,6 +116,8 @@ def load_spec(preset_or_file: str | Path) -> ModelSpec:
         if path.suffix in (".yaml", ".yml", ".json"):
             raise SpecError(f"{path}: spec file not found; check the path")
         preset_dict(text)  # raises the unknown-preset error
+    from .yamlfile import read_yaml  # yaml loads only when a spec file is read
+
     data = read_yaml(path, SpecError, "spec file")
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a spec file must hold a mapping of ModelSpec fields")

@@ -22,9 +22,9 @@ from typing import Any
 
 from olmo_data import DataError
 from olmo_model import SpecError, UnknownDeviceError
-from olmo_model.recipe import Recipe, RecipeError, load_recipe
-from olmo_model.recipe_help import recipe_help
-from olmo_model.runlog import RunDirWriteError, TrainingDivergedError, TrainingStateError
+from olmo_run.recipe import Recipe, RecipeError, load_recipe
+from olmo_run.recipe_help import recipe_help
+from olmo_run.runlog import RunDirWriteError, TrainingDivergedError, TrainingStateError
 
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
 from .preempt import EXIT_PREEMPTED, Preempted

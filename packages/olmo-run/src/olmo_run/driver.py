@@ -39,9 +39,13 @@ import numpy as np
 from olmo_data import Mixture, MixtureLoader, open_training_mixture
 from olmo_data.digest import combine_digests, loader_rows, rows_digest
 from olmo_model import ModelSpec, flops_per_token, mfu
-from olmo_model.init_source import InitSource, resolve_init
-from olmo_model.recipe import BatchLayout, Recipe, RecipeError, batch_layout
-from olmo_model.runlog import (
+from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
+from olmo_run.init_source import InitSource, resolve_init
+from olmo_run.lock import RunLock
+from olmo_run.lock import acquire as acquire_run_lock
+from olmo_run.preempt import Preempted, PreemptionWatch
+from olmo_run.recipe import BatchLayout, Recipe, RecipeError, batch_layout
+from olmo_run.runlog import (
     TRAIN_KEYS,
     MetricsLog,
     ProgressConsole,
@@ -57,12 +61,8 @@ from olmo_model.runlog import (
     training_meta,
     write_atomic,
 )
-from olmo_model.storage import RunPath, URLPath, backend, local_copy
-from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
-from olmo_run.lock import RunLock
-from olmo_run.lock import acquire as acquire_run_lock
-from olmo_run.preempt import Preempted, PreemptionWatch
 from olmo_run.sinks import open_sinks
+from olmo_run.storage import RunPath, URLPath, backend, local_copy
 
 # Process 0's marker in the run dir while the processes check that they share it.
 SHARED_CHECK_FILE = ".shared-run-dir-check"

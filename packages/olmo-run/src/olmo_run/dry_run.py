@@ -17,8 +17,8 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from olmo_model.plan import GIB, make_plan, parse_devices
-from olmo_model.recipe import Recipe, RecipeError
+from olmo_run.plan import GIB, make_plan, parse_devices
+from olmo_run.recipe import Recipe, RecipeError
 
 # The step time the planner's estimate assumes when it sits beside a measurement (olmo-plan's default).
 PLANNER_MFU = 0.40

@@ -9,7 +9,7 @@ takes ``<run dir>/RUN_LOCK``, a small JSON record::
 
 - A local run dir: the file is created with ``O_CREAT | O_EXCL``, so of two starts exactly
   one creates it.
-- A ``gs://`` / ``s3://`` run dir: through ``olmo_model.storage``'s backend, the record is
+- A ``gs://`` / ``s3://`` run dir: through ``olmo_run.storage``'s backend, the record is
   written and read back, and the token must be ours. The stores have no create-if-absent
   here, so this is best effort: two starts within one round trip of each other can both
   believe they hold it. The heartbeat check below catches that within one interval.
@@ -50,9 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from olmo_data.fileio import StorageError
-from olmo_model.recipe import RecipeError
-from olmo_model.runlog import write_atomic
-from olmo_model.storage import RunPath, backend
+from olmo_run.recipe import RecipeError
+from olmo_run.runlog import write_atomic
+from olmo_run.storage import RunPath, backend
 
 RUN_LOCK_FILE = "RUN_LOCK"
 # Seconds between the holder's heartbeat writes (the driver loop calls refresh every step).

@@ -1,6 +1,6 @@
-"""Run dirs on object storage: the URL backend of ``olmo_model.storage``, over ``olmo_data.fileio``.
+"""Run dirs on object storage: the URL backend of ``olmo_run.storage``, over ``olmo_data.fileio``.
 
-olmo-model's run-log code (``olmo_model.runlog``: the run dir, checkpoint listing, commit,
+olmo-model's run-log code (``olmo_run.runlog``: the run dir, checkpoint listing, commit,
 verification, pruning, clean-up, resume, metrics) names paths as ``Path`` or
 ``storage.URLPath`` and leaves the file operations to a backend; importing this module (which
 ``olmo_run`` does) serves ``gs://`` and ``s3://`` with fileio, so both trainers, olmo-convert
@@ -25,14 +25,14 @@ from __future__ import annotations
 import hashlib
 
 from olmo_data import fileio
-from olmo_model import storage
-from olmo_model.storage import RunPath, URLPath, is_url, run_path
+from olmo_run import storage
+from olmo_run.storage import RunPath, URLPath, is_url, run_path
 
 __all__ = ["FileioBackend", "RunPath", "URLPath", "check_reachable", "is_url", "run_path", "storage_error"]
 
 
 class FileioBackend:
-    """``olmo_model.storage.Backend`` for gs:// and s3:// URLs."""
+    """``olmo_run.storage.Backend`` for gs:// and s3:// URLs."""
 
     def exists(self, path: str) -> bool:
         return fileio.exists(path)

@@ -24,7 +24,7 @@ import secrets
 from pathlib import Path
 from typing import Any, Protocol
 
-from olmo_model.recipe import Recipe, RecipeError
+from olmo_run.recipe import Recipe, RecipeError
 
 SINK_EXTRAS = {"tensorboard": ("tensorboardX", "olmo-run[tensorboard]"), "wandb": ("wandb", "olmo-run[wandb]")}
 WANDB_ID_FILE = "wandb_run_id"  # in the run dir: the W&B run a resume continues

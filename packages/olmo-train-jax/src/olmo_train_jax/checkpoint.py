@@ -1,7 +1,7 @@
 """Orbax checkpoints of the JAX trainer, in the run-dir layout both trainers share.
 
     RUN/checkpoints/step_00000050/state/   Orbax: {"params", "opt_state", "step"} (sharded arrays)
-    RUN/checkpoints/step_00000050/meta.json  olmo_model.runlog.training_meta + spike guard, layout
+    RUN/checkpoints/step_00000050/meta.json  olmo_run.runlog.training_meta + spike guard, layout
 
 Saving: Orbax copies the arrays to host memory and returns; the files are written in the
 background when ``checkpoint.async_save``. A checkpoint only counts once ``meta.json`` exists,
@@ -12,7 +12,7 @@ replaces it; ``runlog.clean_orphans`` removes older ones when the Checkpointer s
 Restoring takes abstract arrays that carry the CURRENT mesh's shardings, so a checkpoint
 written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
 
-A run dir on object storage (``olmo_model.storage.URLPath``):
+A run dir on object storage (``olmo_run.storage.URLPath``):
 
 - ``gs://``: Orbax writes and restores the bucket directly (TensorStore's GCS driver for the
   arrays, etils' gcsfs for the rest; every process writes its own shards). Both read Google's
@@ -54,7 +54,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from olmo_model.runlog import (
+from olmo_run.run_dir import storage_error
+from olmo_run.runlog import (
     TrainingStateError,
     checkpoint_dir,
     checkpoint_write_failure,
@@ -63,8 +64,7 @@ from olmo_model.runlog import (
     os_error_code,
     prune_checkpoints,
 )
-from olmo_model.storage import RunPath, URLPath, backend, local_copy
-from olmo_run.run_dir import storage_error
+from olmo_run.storage import RunPath, URLPath, backend, local_copy
 
 STATE_DIR = "state"
 STAGING_DIR = ".staging"  # in the local copy of an s3:// run dir: saves before their upload

@@ -66,8 +66,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from olmo_model import flops_per_token, resolve_device_kind
-from olmo_model.recipe import Recipe, RecipeError, batch_layout
 from olmo_run.dry_run import DryRunReport
+from olmo_run.recipe import Recipe, RecipeError, batch_layout
 
 from . import sharding, train
 from .model import build_model

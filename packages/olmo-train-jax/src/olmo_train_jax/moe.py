@@ -53,7 +53,7 @@ import numpy as np
 from olmo_model import ModelSpec, MoESpec, UnknownDeviceError, resolve_device_kind
 from olmo_model.moe import E4M3_MAX, MX_BLOCK, check_routing, moe_train_metrics
 from olmo_model.moe import aux_loss as weighted_aux_loss
-from olmo_model.recipe import RecipeError
+from olmo_run.recipe import RecipeError
 
 from .layers import linear, swiglu_down
 

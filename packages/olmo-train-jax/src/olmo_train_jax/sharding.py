@@ -66,7 +66,7 @@ from jax.sharding import PartitionSpec as P
 
 from olmo_model import ModelSpec
 from olmo_model.context import ContextLayout, ContextLayoutError
-from olmo_model.recipe import Recipe, RecipeError
+from olmo_run.recipe import Recipe, RecipeError
 
 from .causal_attention import ContextSetup
 from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec

@@ -7,7 +7,7 @@ with no recipe it trains the default toy job (model "small", the embedded sample
 What one optimizer step s (1-based) does, identically to the Torch trainer:
 
 - global batch s-1 of the mixture order, split over (data, fsdp) and over ``accumulation``
-  micro-steps (``olmo_model.recipe.batch_layout``) inside ONE jitted function (``lax.scan``);
+  micro-steps (``olmo_run.recipe.batch_layout``) inside ONE jitted function (``lax.scan``);
   attention stays inside each document only with ``train.document_masking``;
 - loss = (sum of token CE + z_loss_weight x sum of logsumexp^2) / (valid tokens in the GLOBAL
   batch), so the value and the gradient do not depend on the device count or accumulation;
@@ -33,7 +33,7 @@ in float32.
 
 Start-up order: recipe -> spec -> mixture and leakage check -> mesh and batch layout -> the
 checkpoint to resume (checked against spec, framework and mixture fingerprint), or else the
-``recipe.init`` source (``olmo_model.init_source``: hf:DIR, a checkpoint, RUN/checkpoints/latest
+``recipe.init`` source (``olmo_run.init_source``: hf:DIR, a checkpoint, RUN/checkpoints/latest
 or a run dir; weights, plus AdamW state with init.load_optimizer) -> only then is anything
 written to the run dir, so bad input leaves it untouched.
 """
@@ -57,12 +57,12 @@ from jax.sharding import PartitionSpec as P
 
 from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model import ModelSpec, resolve_device_kind
-from olmo_model.decay import decay_group, group_weight_decay
-from olmo_model.recipe import Recipe
-from olmo_model.runlog import SpikeGuard, TrainingStateError, perplexity
-from olmo_model.storage import RunPath
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
+from olmo_run.decay import decay_group, group_weight_decay
 from olmo_run.driver import check_shared_run_dir
+from olmo_run.recipe import Recipe
+from olmo_run.runlog import SpikeGuard, TrainingStateError, perplexity
+from olmo_run.storage import RunPath
 
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state
@@ -98,7 +98,7 @@ def global_norm(tree: Any) -> jax.Array:
 
 
 def decay_mask(params: dict, recipe: Recipe) -> dict:
-    """True where AdamW applies weight decay: ``olmo_model.decay``'s groups, by parameter name
+    """True where AdamW applies weight decay: ``olmo_run.decay``'s groups, by parameter name
     (Olmo 3: not on the input embedding)."""
 
     def decays(path, _) -> bool:

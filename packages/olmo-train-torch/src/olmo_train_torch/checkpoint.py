@@ -1,6 +1,6 @@
 """Checkpoints of the torch trainer: torch.distributed.checkpoint (DCP) + the shared meta.json.
 
-Layout of one checkpoint (``olmo_model.runlog`` owns the run dir around it)::
+Layout of one checkpoint (``olmo_run.runlog`` owns the run dir around it)::
 
     RUN/checkpoints/step_00000010/
         .metadata, __0_0.distcp, ...   DCP: {"model": ..., "optim": ...}, one file per rank
@@ -18,7 +18,7 @@ and written by a background thread (over its own gloo group, so its collectives 
 interleave with training's); rank 0 writes meta.json only when that write has finished,
 hashing the files first (``runlog.commit_checkpoint``).
 
-A run dir on ``gs://`` or ``s3://`` (``olmo_model.storage.URLPath``) is written and read by
+A run dir on ``gs://`` or ``s3://`` (``olmo_run.storage.URLPath``) is written and read by
 DCP's own fsspec storage writer and reader, on fileio's client for that URL (its endpoint and
 credentials: ``AWS_ENDPOINT_URL`` / ``AWS_*``, Google ADC or ``STORAGE_EMULATOR_HOST``). Every
 rank uploads its own files; rank 0 writes meta.json, one object, after DCP's ``.metadata``:
@@ -52,7 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from olmo_model.runlog import (
+from olmo_run.run_dir import storage_error
+from olmo_run.runlog import (
     TrainingStateError,
     checkpoint_dir,
     checkpoint_write_failure,
@@ -61,8 +62,7 @@ from olmo_model.runlog import (
     os_error_code,
     prune_checkpoints,
 )
-from olmo_model.storage import RunPath, URLPath, backend
-from olmo_run.run_dir import storage_error
+from olmo_run.storage import RunPath, URLPath, backend
 
 from .parallelize import Distributed
 

@@ -53,9 +53,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from olmo_model import flops_per_token, resolve_device_kind
-from olmo_model.plan import TPU_KINDS
-from olmo_model.recipe import Recipe, RecipeError, batch_layout
 from olmo_run.dry_run import DryRunReport
+from olmo_run.plan import TPU_KINDS
+from olmo_run.recipe import Recipe, RecipeError, batch_layout
 
 from .model import OlmoModel
 from .parallelize import Distributed, build_mesh, check_context_sequence, check_parallel

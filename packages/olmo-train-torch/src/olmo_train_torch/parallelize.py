@@ -66,7 +66,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from olmo_model import ModelSpec
-from olmo_model.recipe import RecipeError, TorchSection
+from olmo_run.recipe import RecipeError, TorchSection
 
 from .context_parallel import ContextParallel
 from .expert_parallel import apply_expert_parallel, expert_mesh, expert_parameters, hook_expert_gradients, ignore_in_ddp

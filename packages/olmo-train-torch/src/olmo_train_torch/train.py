@@ -35,7 +35,7 @@ One optimizer step ``s`` (1-based) over a global batch of sequences:
 Before anything is written (so bad input leaves the run dir untouched): recipe, spec,
 mixture (+ ``train.sequence_length``), leakage check, batch layout, and the latest complete
 checkpoint, which must fit (framework, spec, mixture fingerprint, loader state); without one,
-the ``recipe.init`` source (``olmo_model.init_source``: hf:DIR, a checkpoint,
+the ``recipe.init`` source (``olmo_run.init_source``: hf:DIR, a checkpoint,
 RUN/checkpoints/latest or a run dir; weights, plus AdamW state with init.load_optimizer).
 """
 
@@ -58,12 +58,12 @@ from torch.distributed.tensor import DTensor
 from olmo_data import MixtureLoader
 from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
 from olmo_model import ModelSpec, resolve_device_kind
-from olmo_model.decay import DECAY_GROUPS, decay_group, group_weight_decay
-from olmo_model.recipe import BatchLayout, Recipe
-from olmo_model.runlog import SpikeGuard, perplexity
-from olmo_model.storage import RunPath
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
+from olmo_run.decay import DECAY_GROUPS, decay_group, group_weight_decay
 from olmo_run.driver import check_shared_run_dir
+from olmo_run.recipe import BatchLayout, Recipe
+from olmo_run.runlog import SpikeGuard, perplexity
+from olmo_run.storage import RunPath
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
@@ -100,7 +100,7 @@ CLIP_EPS = 1e-6
 
 
 def param_groups(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
-    """AdamW groups by ``olmo_model.decay``'s groups of the parameter names: matrices / experts /
+    """AdamW groups by ``olmo_run.decay``'s groups of the parameter names: matrices / experts /
     embedding / norms (the name travels in checkpoints). The routed experts of MoE specs have a
     group of their own, whatever the parallel layout (so checkpoints move between layouts):
     under expert parallelism they are DTensors while DDP's dense parameters are plain tensors,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from olmo_model.decay import DECAY_GROUPS, decay_group, group_weight_decay
-from olmo_model.recipe import load_recipe
+from olmo_run.decay import DECAY_GROUPS, decay_group, group_weight_decay
+from olmo_run.recipe import load_recipe
 
 # (name, group): torch named_parameters() names and JAX state paths joined by dots.
 NAMES = [

@@ -1,7 +1,7 @@
 """Run-dir paths that may be URLs (docs/design.md, contract 8), for the run-log code in this package.
 
-olmo-model depends on no storage client, so the run-log helpers (``olmo_model.runlog``,
-``olmo_model.init_source``) do their file operations through a small backend chosen per path:
+olmo-model depends on no storage client, so the run-log helpers (``olmo_run.runlog``,
+``olmo_run.init_source``) do their file operations through a small backend chosen per path:
 
 - a local path (a ``Path``, or a string without a scheme, or ``file://``) goes to the local
   backend below (os and pathlib; atomic writes are a temp file renamed into place);

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from olmo_model.recipe import Recipe, load_recipe
-from olmo_model.recipe_help import recipe_help, recipe_keys
+from olmo_run.recipe import Recipe, load_recipe
+from olmo_run.recipe_help import recipe_help, recipe_keys
 
 
 def _get(recipe: Recipe, dotted: str):

@@ -72,7 +72,7 @@ def recipe_keys(section: BaseModel | None = None, prefix: str = "") -> list[Reci
     section = Recipe() if section is None else section
     comments: dict[str, str] = {}
     for cls in reversed(type(section).__mro__):  # a field inherited from a base class keeps its comment
-        if cls.__module__.startswith("olmo_model.") and issubclass(cls, BaseModel):
+        if cls.__module__.startswith(("olmo_model.", "olmo_run.")) and issubclass(cls, BaseModel):
             comments.update(_field_comments(cls))
     dumped = section.model_dump(mode="json")  # defaults as a recipe file or override writes them
     keys: list[RecipeKey] = []

@@ -1,4 +1,4 @@
-"""Checkpoint integrity in ``olmo_model.runlog``, framework-neutral (issue 23): the checksums
+"""Checkpoint integrity in ``olmo_run.runlog``, framework-neutral (issue 23): the checksums
 commit_checkpoint records, their verification on resume, checkpoint.fallback, the recipe fields a
 resume may not change, and the clean-up of what interrupted saves leave behind.
 
@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from olmo_model.recipe import Recipe, load_recipe
-from olmo_model.runlog import (
+from olmo_run.recipe import Recipe, load_recipe
+from olmo_run.runlog import (
     CHECKPOINT_FORMAT,
     UNCHECKED_FORMAT,
     CheckpointDamagedError,

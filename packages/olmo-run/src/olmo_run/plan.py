@@ -52,9 +52,10 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from .maths import HEAD_CHUNK_BYTES, UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
+from olmo_model.maths import HEAD_CHUNK_BYTES, UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
+from olmo_model.spec import ModelSpec
+
 from .recipe import Recipe, RecipeError, batch_layout, load_recipe
-from .spec import ModelSpec
 
 GIB = 2**30
 HEADROOM = 0.9  # plan to use at most 90% of HBM

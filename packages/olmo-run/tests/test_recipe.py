@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from olmo_model import get_preset
-from olmo_model.recipe import RecipeError, batch_layout, load_recipe
-from olmo_model.runlog import (
+from olmo_run.recipe import RecipeError, batch_layout, load_recipe
+from olmo_run.runlog import (
     SpikeGuard,
     TrainingStateError,
     check_meta_fits,

@@ -11,7 +11,7 @@ Run dir layout (the same for both trainers, so one tool reads both)::
                                      meta.json exists, which lists every other file's size and sha256
     RUN/loss.png           loss curve (train and held-out)
 
-RUN may be a local folder or a ``gs://`` / ``s3://`` URL (``olmo_model.storage``: a `URLPath`,
+RUN may be a local folder or a ``gs://`` / ``s3://`` URL (``olmo_run.storage``: a `URLPath`,
 served by the backend olmo_run registers). Every function here takes either. On object storage,
 where nothing can be appended or renamed, checkpoints are written straight to the bucket and
 committed by meta.json, one object written after all the others; the small files process 0
@@ -40,9 +40,10 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from olmo_model.schedules import Schedule
+from olmo_model.spec import ModelSpec
+
 from .recipe import MoESection, OptimSection, Recipe, TrainSection
-from .schedules import Schedule
-from .spec import ModelSpec
 from .storage import RunPath, URLPath, backend, local_copy, run_path
 
 # Keys of a "train" metrics line; both trainers write exactly these (plus optional extras).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from olmo_model.plan import main as plan_main
+from olmo_run.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[3]
 STAGE1 = ROOT / "recipes" / "olmo3-7b" / "stage1.yaml"

@@ -28,11 +28,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .hf import hf_param_shapes, spec_from_hf_config
-from .presets import SpecError
+from olmo_model.hf import hf_param_shapes, spec_from_hf_config
+from olmo_model.presets import SpecError
+from olmo_model.spec import ModelSpec
+
 from .recipe import Recipe, RecipeError
 from .runlog import CheckpointDamagedError, TrainingStateError, complete_checkpoints, read_meta, read_verified_meta
-from .spec import ModelSpec
 from .storage import RunPath, URLPath, backend, run_path
 
 HF_PREFIX = "hf:"

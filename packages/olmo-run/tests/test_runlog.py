@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from olmo_model.runlog import (
+from olmo_run.runlog import (
     MetricsLog,
     SpikeGuard,
     TrainingDivergedError,
@@ -78,8 +78,8 @@ def test_final_eval_pending(tmp_path):
 
 
 def test_a_resume_keeps_the_started_recipe_and_records_each_change_with_its_step(tmp_path, capsys):
-    from olmo_model.recipe import load_recipe
-    from olmo_model.runlog import RECIPE_HISTORY_FILE, prepare_run_dir
+    from olmo_run.recipe import load_recipe
+    from olmo_run.runlog import RECIPE_HISTORY_FILE, prepare_run_dir
 
     run = tmp_path / "run"
     first = load_recipe(None, [f"--run_dir={run}", "--eval.every=50"])

@@ -20,11 +20,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .presets import SpecError, load_spec, spec_from_dict
-from .schedules import CosineSchedule, Schedule
-from .spec import ModelSpec
+from olmo_model.presets import SpecError, load_spec, spec_from_dict
+from olmo_model.schedules import CosineSchedule, Schedule
+from olmo_model.spec import ModelSpec
+from olmo_model.yamlfile import parse_yaml, read_yaml
+
 from .storage import RunPath, run_path
-from .yamlfile import parse_yaml, read_yaml
 
 
 class RecipeError(ValueError):
