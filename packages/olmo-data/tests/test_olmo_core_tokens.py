@@ -22,7 +22,7 @@ import yaml
 from test_mixture_support import random_docs, write_shard
 
 from olmo_data import DataError, fileio, load_mixture, read_instances
-from olmo_data.storage import PerFileWindows, RawTokenFile, open_source
+from olmo_data.sources import PerFileWindows, RawTokenFile, open_source
 from olmo_data.tokenize import default_dtype, tokenize_main
 
 # object_store: moto's S3 server and the GCS emulator, as in test_remote_storage.py.

@@ -15,7 +15,7 @@ import yaml
 from tokenizers import Tokenizer
 
 from olmo_data import sample
-from olmo_data.storage import open_source
+from olmo_data.sources import open_source
 
 
 @pytest.fixture(scope="module")

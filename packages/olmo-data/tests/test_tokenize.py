@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from olmo_data.errors import DataError
 from olmo_data.sample import train_tokenizer
 from olmo_data.shards import read_manifest
-from olmo_data.storage import ShardSource
+from olmo_data.sources import ShardSource
 from olmo_data.tokenize import tokenize_main
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()

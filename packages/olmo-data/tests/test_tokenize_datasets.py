@@ -19,7 +19,7 @@ import olmo_data
 from olmo_data.cli import main
 from olmo_data.errors import DataError
 from olmo_data.sample import train_tokenizer
-from olmo_data.storage import ShardSource
+from olmo_data.sources import ShardSource
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
 

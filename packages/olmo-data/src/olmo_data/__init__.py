@@ -17,7 +17,7 @@ from olmo_data.loader import MixtureLoader, eval_instances
 from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.order import RepetitionLimitError, read_instances
 from olmo_data.shards import ShardWriter
-from olmo_data.storage import open_source
+from olmo_data.sources import open_source
 
 # The function, bound after its module: `olmo_data.tokenize(...)` tokenizes, while
 # `from olmo_data.tokenize import ...` still finds the module in sys.modules.

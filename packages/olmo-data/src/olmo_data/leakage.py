@@ -27,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from olmo_data.content_hash import cache_root
 from olmo_data.errors import DataError
 from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.ngrams import doc_hash, ngram_hashes
-from olmo_data.storage import TokenSource, cache_root
+from olmo_data.sources import TokenSource
 
 log = logging.getLogger(__name__)
 

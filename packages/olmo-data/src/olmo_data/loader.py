@@ -25,7 +25,7 @@ from olmo_data import fileio
 from olmo_data.errors import DataError
 from olmo_data.mixture import Mixture, load_mixture
 from olmo_data.order import RepetitionLimitError, derive_key, feistel_permute, read_instances, round_keys
-from olmo_data.storage import window_ranges
+from olmo_data.sources import window_ranges
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class MixtureLoader:
 
     def read_plan(self, step: int) -> list[tuple[str, int, int]]:
         """(URL, offset, length) of the object-storage bytes that reading this loader's rows of
-        global batch `step` fetches (`olmo_data.storage.window_ranges`); empty for local data."""
+        global batch `step` fetches (`olmo_data.sources.window_ranges`); empty for local data."""
         plan: list[tuple[str, int, int]] = []
         for r in self.dp_ranks:
             try:

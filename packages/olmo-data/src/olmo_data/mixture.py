@@ -23,9 +23,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from olmo_data import fileio
+from olmo_data.content_hash import content_sha256
 from olmo_data.errors import DataError
 from olmo_data.order import GlobalOrder, derive_key, largest_remainder
-from olmo_data.storage import TokenSource, Windowing, content_sha256, num_windows, open_source, resolve_paths
+from olmo_data.sources import TokenSource, Windowing, num_windows, open_source, resolve_paths
 
 SAMPLE = "sample"  # the mixture path that names the embedded sample (olmo_data.sample)
 

@@ -4,7 +4,7 @@ global batch at step b, as pure functions of (mixture fingerprint, seed, index).
 Instances. Source s with N_s tokens is cut into I_s = N_s // S fixed windows of
 S = sequence_length tokens, window k = tokens [k*S, (k+1)*S); the tail is dropped. (A
 source with `windowing: olmo-core` cuts each of its files on its own, as OLMo-core does:
-`olmo_data.storage.PerFileWindows`; I_s is then the sum over its files.)
+`olmo_data.sources.PerFileWindows`; I_s is then the sum over its files.)
 Documents may span windows; per window, `doc_ids` number the documents from 0 and
 `positions` count from 0 at each document start (and at the window start), which is the
 packed-sequence convention (a position reset marks a document boundary).
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from olmo_data.errors import DataError
-from olmo_data.storage import PerFileWindows, TokenSource, locate, num_windows, window_spans
+from olmo_data.sources import PerFileWindows, TokenSource, locate, num_windows, window_spans
 
 BATCH_KEYS = ("input_ids", "labels", "doc_ids", "positions")
 IGNORE_INDEX = -100  # label of the last token of a source: nothing follows it (PyTorch's ignore_index)

@@ -1,4 +1,4 @@
-"""Token storage: OLMo raw token files, zstd shards, concatenation, bad-input errors and the
+"""Token sources: OLMo raw token files, zstd shards, concatenation, bad-input errors and the
 cached content hash of raw files."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import time
 import numpy as np
 import pytest
 
+from olmo_data.content_hash import content_sha256
 from olmo_data.errors import DataError, ShardCorruptError
 from olmo_data.shards import read_manifest
-from olmo_data.storage import ConcatSource, RawTokenFile, ShardSource, ShardWriter, content_sha256, open_source
+from olmo_data.sources import ConcatSource, RawTokenFile, ShardSource, ShardWriter, open_source
 
 EOS = 0
 
