@@ -33,16 +33,13 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import io
 import json
 import multiprocessing
 import os
-import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -51,32 +48,15 @@ from olmo_data import fileio
 from olmo_data.errors import DataError
 from olmo_data.fileio import StorageError
 from olmo_data.shards import DEFAULT_CHUNK_TOKENS, SHARD_SUFFIX, ShardWriter, read_manifest
+from olmo_data.text_inputs import Unit, documents, plan_units
 
-__all__ = ["tokenize", "tokenize_main", "default_dtype", "plan_units"]
+__all__ = ["tokenize", "tokenize_main", "default_dtype"]
 
-_JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
-_TEXT_SUFFIXES = (*_JSON_SUFFIXES, ".parquet", ".arrow", ".txt")
-# What `datasets` writes beside its .arrow files: a folder holding these is read as a dataset,
-# never as loose json inputs.
-_DATASET_STATE, _DATASET_DICT = "state.json", "dataset_dict.json"
 # Documents tokenized per encode_batch call: large enough to amortise the call.
 _ENCODE_BATCH = 256
-# The install line every error about a missing reader names.
-_EXTRA = "install the tokenize extra: pip install 'olmo-data[tokenize]' (in this workspace: uv sync --extra tokenize)"
 _NUMPY_RECORD = "olmo-data-tokenize-numpy"
 
 Format = Literal["shards", "numpy"]
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One independent piece of input: `kind` is jsonl|parquet|arrow|txt-lines|txt-files|hub."""
-
-    name: str  # output file stem, unique among units
-    kind: str
-    paths: tuple[str, ...] = ()
-    start: int = 0  # hub: first row
-    stop: int = 0  # hub: one past the last row
 
 
 @dataclass(frozen=True)
@@ -97,219 +77,6 @@ def default_dtype(vocab_size: int) -> str:
     id vocab_size - 1, from uint16 up, since our readers store no uint8 (OLMo-core would infer
     uint8 for a vocab of <= 256 ids: give it dtype uint16 then)."""
     return "uint16" if vocab_size - 1 <= np.iinfo(np.uint16).max else "uint32"
-
-
-def _kind_of(path: str, txt_per_line: bool) -> str:
-    if path.endswith(_JSON_SUFFIXES):
-        return "jsonl"
-    if path.endswith(".parquet"):
-        return "parquet"
-    if path.endswith(".arrow"):
-        return "arrow"
-    if path.endswith(".txt"):
-        return "txt-lines" if txt_per_line else "txt-files"
-    raise DataError(f"{path}: unsupported input type; use one of {', '.join(_TEXT_SUFFIXES)} or a hub dataset name")
-
-
-def _read_json(path: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise DataError(f"{path}: not valid JSON ({e}); re-save the dataset with save_to_disk") from None
-
-
-def _dataset_files(folder: str, split: str) -> list[str] | None:
-    """The .arrow files of a HF `datasets` save_to_disk folder in its row order, or None if
-    `folder` is not one. A DatasetDict folder gives those of its split `split`."""
-    if os.path.isfile(os.path.join(folder, _DATASET_DICT)):
-        record = _read_json(os.path.join(folder, _DATASET_DICT))
-        splits = record.get("splits", []) if isinstance(record, dict) else []
-        if split not in splits:
-            raise DataError(
-                f"--input {folder}: this DatasetDict has no split {split!r} (has {splits}); pass --split NAME"
-            )
-        folder = os.path.join(folder, split)
-        if not os.path.isfile(os.path.join(folder, _DATASET_STATE)):
-            raise DataError(f"--input {folder}: split folder without {_DATASET_STATE}; re-save it with save_to_disk")
-    state_path = os.path.join(folder, _DATASET_STATE)
-    if not os.path.isfile(state_path):
-        return None
-    state = _read_json(state_path)
-    try:
-        files = [os.path.join(folder, item["filename"]) for item in state["_data_files"]]
-    except (KeyError, TypeError):
-        raise DataError(f"{state_path}: no _data_files list, so not a datasets save_to_disk folder") from None
-    for f in files:
-        if not os.path.isfile(f):
-            raise DataError(f"{state_path}: lists {os.path.basename(f)}, which is missing; re-save the dataset")
-    return files
-
-
-def _is_dataset_folder(folder: Path) -> bool:
-    """What save_to_disk leaves: a DatasetDict's dataset_dict.json, or a Dataset's state.json
-    with its dataset_info.json (one state.json alone may be any program's)."""
-    return (folder / _DATASET_DICT).is_file() or (
-        (folder / _DATASET_STATE).is_file() and (folder / "dataset_info.json").is_file()
-    )
-
-
-def _local_files(inputs: list[str], split: str) -> list[str] | None:
-    """Local files named by the inputs, or None if the single input is a hub dataset name."""
-    import glob
-
-    files: set[str] = set()
-    for item in inputs:
-        if glob.has_magic(item):
-            matches = [m for m in glob.glob(item, recursive=True) if os.path.isfile(m)]
-            if not matches:
-                raise DataError(f"--input {item}: glob matches no file; check the pattern")
-            files.update(matches)
-        elif os.path.isdir(item):
-            dataset = _dataset_files(item, split)
-            if dataset is not None:
-                files.update(dataset)
-                continue
-            found = [p for p in Path(item).rglob("*") if p.is_file()]
-            nested = sorted({p.parent for p in found if _is_dataset_folder(p.parent)})
-            if nested:
-                # Its json would read as documents, and a DatasetDict's every split as training text.
-                raise DataError(
-                    f"--input {item}: holds a HF datasets folder, {nested[0]}; pass that folder as --input (with --split)"
-                )
-            files.update(str(p) for p in found if str(p).endswith(_TEXT_SUFFIXES))
-        elif os.path.isfile(item):
-            files.add(item)
-        elif len(inputs) == 1 and not item.endswith(_TEXT_SUFFIXES) and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", item):
-            return None
-        else:
-            raise DataError(f"--input {item}: no such file, directory or glob; check the path")
-    if not files:
-        raise DataError(f"--input {' '.join(inputs)}: no input files found (supported: {', '.join(_TEXT_SUFFIXES)})")
-    return sorted(files)
-
-
-def _stem(path: str, root: str) -> str:
-    """A file-name-safe unit name; the input's suffix stays so a.jsonl and a.parquet differ."""
-    return re.sub(r"[^\w.-]+", "_", os.path.relpath(path, root).replace(os.sep, "__"))
-
-
-def plan_units(inputs: list[str], docs_per_shard: int, txt_per_line: bool, hub_split: str) -> list[Unit]:
-    """All units of the inputs, in a deterministic order (independent of --num-shards)."""
-    files = _local_files(inputs, hub_split)
-    if files is None:
-        num_rows = _load_hub(inputs[0], hub_split).num_rows
-        return [
-            Unit(f"{_stem(inputs[0], '.')}-{hub_split}-{start:012d}", "hub", (inputs[0],), start, stop)
-            for start in range(0, num_rows, docs_per_shard)
-            for stop in [min(start + docs_per_shard, num_rows)]
-        ]
-    root = os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in files])
-    units, loose_txt = [], []
-    for f in files:
-        kind = _kind_of(f, txt_per_line)
-        if kind == "txt-files":
-            loose_txt.append(f)
-        else:
-            units.append(Unit(_stem(os.path.abspath(f), root), kind, (f,)))
-    for g in range(0, len(loose_txt), docs_per_shard):
-        units.append(Unit(f"txt-{g // docs_per_shard:06d}", "txt-files", tuple(loose_txt[g : g + docs_per_shard])))
-    return units
-
-
-def _load_hub(name: str, split: str):
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            f"--input {name}: not a local file, and reading hub datasets needs `datasets`; "
-            "install the extra: uv sync --extra tokenize (or give local jsonl/parquet/txt files)"
-        ) from None
-    return datasets.load_dataset(name, split=split)
-
-
-def _pyarrow(path: str, what: str) -> Any:
-    try:
-        import pyarrow
-        import pyarrow.ipc
-        import pyarrow.parquet
-    except ImportError:
-        raise DataError(f"{path}: reading {what} needs pyarrow; {_EXTRA}, or convert it to jsonl") from None
-    return pyarrow
-
-
-def _texts_of(table: Any, path: str, opts: Options) -> list[Any]:
-    """The text column of a pyarrow Table or RecordBatch, checked to exist and to hold strings."""
-    import pyarrow
-
-    if opts.text_field not in table.schema.names:
-        raise DataError(f"{path}: no column {opts.text_field!r} (has {table.schema.names}); pass --text-field NAME")
-    column = table.column(opts.text_field)
-    if not (pyarrow.types.is_string(column.type) or pyarrow.types.is_large_string(column.type)):
-        raise DataError(
-            f"{path}: column {opts.text_field!r} holds {column.type}, not text; pass --text-field NAME of a string column"
-        )
-    return column.to_pylist()
-
-
-def _arrow_batches(path: str) -> Iterator[Any]:
-    """Record batches of an Arrow IPC file: the stream format `datasets` writes, or the file
-    format (which starts with ARROW1)."""
-    pa = _pyarrow(path, ".arrow files")
-    with pa.memory_map(path) as source:
-        try:
-            if source.read(6) == b"ARROW1":
-                reader = pa.ipc.open_file(source)
-                for i in range(reader.num_record_batches):
-                    yield reader.get_batch(i)
-            else:
-                source.seek(0)
-                yield from pa.ipc.open_stream(source)
-        except pa.ArrowInvalid as e:
-            raise DataError(f"{path}: not a readable Arrow IPC file ({str(e).splitlines()[0]}); re-save it") from None
-
-
-def _open_text(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    if path.endswith(".zst"):
-        import zstandard
-
-        return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(open(path, "rb")), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def _documents(unit: Unit, opts: Options) -> Iterator[str]:
-    """The unit's document texts, in file order."""
-    if unit.kind == "jsonl":
-        with _open_text(unit.paths[0]) as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    yield record[opts.text_field]
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{unit.paths[0]}:{line_no}: invalid JSON ({e}); fix or drop the line") from None
-                except (KeyError, TypeError):
-                    raise DataError(
-                        f"{unit.paths[0]}:{line_no}: no field {opts.text_field!r}; pass --text-field NAME"
-                    ) from None
-    elif unit.kind == "parquet":
-        pa = _pyarrow(unit.paths[0], "parquet")
-        yield from _texts_of(pa.parquet.read_table(unit.paths[0]), unit.paths[0], opts)
-    elif unit.kind == "arrow":
-        for batch in _arrow_batches(unit.paths[0]):
-            yield from _texts_of(batch, unit.paths[0], opts)
-    elif unit.kind == "txt-lines":
-        with open(unit.paths[0], encoding="utf-8") as f:
-            yield from (line.rstrip("\n") for line in f)
-    elif unit.kind == "txt-files":
-        for path in unit.paths:
-            yield Path(path).read_text(encoding="utf-8")
-    else:
-        rows = _load_hub(unit.paths[0], opts.hub_split).select(range(unit.start, unit.stop))
-        for row in rows:
-            yield row[opts.text_field]
 
 
 def _part_path(unit: Unit, part: int, opts: Options) -> str:
@@ -454,7 +221,7 @@ def _run_unit(args: tuple[Unit, Options]) -> dict[str, Any]:
         stats["written"] += 1
         stats["files"].append(path)
 
-    for text in _documents(unit, opts):
+    for text in documents(unit, opts.text_field, opts.hub_split):
         texts.append(text)
         if len(texts) == opts.docs_per_shard:
             flush()
@@ -490,8 +257,6 @@ def tokenize(
     dtype, eos_token_id, files (every part's .shard or .npy path, sorted)}. Bad input raises
     a one-line `DataError`."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
 
     inputs = [input] if isinstance(input, str) else [str(i) for i in input]
     if format not in ("shards", "numpy"):
@@ -500,6 +265,40 @@ def tokenize(
         raise DataError(f"--shard-index {shard_index} is outside [0, --num-shards {num_shards})")
     if docs_per_shard <= 0 or num_proc <= 0:
         raise DataError("--docs-per-shard and --num-proc must be positive")
+    opts = _options(tokenizer, output, format, text_field, docs_per_shard, dtype, eos_token_id, chunk_tokens, split)
+    fileio.makedirs(output)
+    units = plan_units(inputs, docs_per_shard, txt_per_line, split)[shard_index::num_shards]
+
+    console = Console(stderr=True)
+    t0 = time.perf_counter()
+    totals = _run_units(units, opts, num_proc, console, progress)
+    seconds = time.perf_counter() - t0
+    if progress:
+        title = f"olmo-data tokenize -> {output} (job {shard_index}/{num_shards}, {format})"
+        _print_summary(console, title, len(units), totals, seconds)
+    return {
+        "units": len(units),
+        **totals,
+        "files": sorted(totals["files"]),
+        "seconds": seconds,
+        "dtype": opts.dtype,
+        "eos_token_id": opts.eos_token_id,
+    }
+
+
+def _options(
+    tokenizer: str,
+    output: str,
+    format: Format,
+    text_field: str,
+    docs_per_shard: int,
+    dtype: str | None,
+    eos_token_id: int | None,
+    chunk_tokens: int,
+    split: str,
+) -> Options:
+    """The workers' options, once the tokenizer is found and the output dtype and eos id are
+    settled from it (the dtype that fits its vocab, its <|endoftext|> id) unless given."""
     if not fileio.isfile(tokenizer):
         raise DataError(f"--tokenizer {tokenizer}: file not found; pass a tokenizer.json")
     tok = _load_tokenizer(tokenizer)
@@ -511,7 +310,7 @@ def tokenize(
         eos_token_id = tok.token_to_id("<|endoftext|>")
         if eos_token_id is None:
             raise DataError(f"{tokenizer}: no <|endoftext|> token; pass --eos-token-id")
-    opts = Options(
+    return Options(
         # absolute: workers may run elsewhere than the current folder (spawn)
         tokenizer=tokenizer if fileio.is_remote(tokenizer) else os.path.abspath(tokenizer),
         output=output,
@@ -523,12 +322,13 @@ def tokenize(
         chunk_tokens=chunk_tokens,
         hub_split=split,
     )
-    fileio.makedirs(output)
-    units = plan_units(inputs, docs_per_shard, txt_per_line, split)[shard_index::num_shards]
 
-    console = Console(stderr=True)
+
+def _run_units(units: list[Unit], opts: Options, num_proc: int, console: Any, progress: bool) -> dict[str, Any]:
+    """Every unit tokenized, in this process or `num_proc` workers; the summed `_run_unit` stats."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     totals: dict[str, Any] = {"docs": 0, "tokens": 0, "tokenized": 0, "written": 0, "skipped": 0, "files": []}
-    t0 = time.perf_counter()
     columns = (
         TextColumn("tokenize"),
         BarColumn(),
@@ -560,29 +360,26 @@ def tokenize(
             if pool is not None:
                 pool.close()
                 pool.join()
-    seconds = time.perf_counter() - t0
-    if progress:
-        table = Table(title=f"olmo-data tokenize -> {output} (job {shard_index}/{num_shards}, {format})")
-        for col in ("units", "docs", "tokens", "parts written", "parts skipped", "seconds", "tokens/s (new)"):
-            table.add_column(col, justify="right")
-        table.add_row(
-            str(len(units)),
-            f"{totals['docs']:,}",
-            f"{totals['tokens']:,}",
-            str(totals["written"]),
-            str(totals["skipped"]),
-            f"{seconds:.1f}",
-            f"{totals['tokenized'] / max(seconds, 1e-9):,.0f}",
-        )
-        console.print(table)
-    return {
-        "units": len(units),
-        **totals,
-        "files": sorted(totals["files"]),
-        "seconds": seconds,
-        "dtype": opts.dtype,
-        "eos_token_id": eos_token_id,
-    }
+    return totals
+
+
+def _print_summary(console: Any, title: str, units: int, totals: dict[str, Any], seconds: float) -> None:
+    """The command's summary table."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("units", "docs", "tokens", "parts written", "parts skipped", "seconds", "tokens/s (new)"):
+        table.add_column(col, justify="right")
+    table.add_row(
+        str(units),
+        f"{totals['docs']:,}",
+        f"{totals['tokens']:,}",
+        str(totals["written"]),
+        str(totals["skipped"]),
+        f"{seconds:.1f}",
+        f"{totals['tokenized'] / max(seconds, 1e-9):,.0f}",
+    )
+    console.print(table)
 
 
 def _parser() -> argparse.ArgumentParser:
