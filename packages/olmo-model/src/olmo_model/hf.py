@@ -76,18 +76,9 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    """A ModelSpec from an Olmo3 config.json dict (ours or one from the hub)."""
-    model_type = cfg.get("model_type")
-    if model_type not in (None, "olmo3"):
-        raise SpecError(f"{source}: model_type '{model_type}' is not olmo3; convert an Olmo 3 checkpoint")
-    if cfg.get("tie_word_embeddings"):
-        raise SpecError(f"{source}: tie_word_embeddings=true, but Olmo 3 has an untied output head")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise SpecError(f"{source}: hidden_act '{cfg['hidden_act']}' is not silu (SwiGLU)")
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
-        raise SpecError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads")
+def _rope_from_hf(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, the yarn section or None) of an Olmo3 config.json: one theta for both layer
+    types, YaRN (in rope_parameters or the legacy rope_scaling) on the full-attention layers only."""
     rope = cfg.get("rope_parameters") or {}
     full = rope.get("full_attention") or {}
     sliding = rope.get("sliding_attention") or {}
@@ -109,6 +100,22 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         }
     elif full.get("rope_type", "default") != "default":
         raise SpecError(f"{source}: rope_type '{full['rope_type']}' is not supported (default or yarn)")
+    return theta, yarn
+
+
+def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    """A ModelSpec from an Olmo3 config.json dict (ours or one from the hub)."""
+    model_type = cfg.get("model_type")
+    if model_type not in (None, "olmo3"):
+        raise SpecError(f"{source}: model_type '{model_type}' is not olmo3; convert an Olmo 3 checkpoint")
+    if cfg.get("tie_word_embeddings"):
+        raise SpecError(f"{source}: tie_word_embeddings=true, but Olmo 3 has an untied output head")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise SpecError(f"{source}: hidden_act '{cfg['hidden_act']}' is not silu (SwiGLU)")
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+        raise SpecError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads")
+    theta, yarn = _rope_from_hf(cfg, source)
     padded = cfg["vocab_size"]
     eos = cfg.get("eos_token_id")
     if isinstance(eos, list):
@@ -240,6 +247,28 @@ def _more(names: Sequence[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
+def _check_names(
+    spec: ModelSpec, expected: dict[str, tuple[int, ...]], shapes: Mapping[str, Sequence[int]], source: str
+) -> None:
+    """No unexpected and no missing tensor (validate_hf_tensors' strict checks)."""
+    unexpected = [name for name in shapes if name not in expected]
+    if unexpected:
+        name = unexpected[0]
+        raise HFLayoutError(
+            f"{source}: unexpected tensor '{name}'{_more(unexpected)} is not a parameter of spec '{spec.name}' "
+            f"(n_layers={spec.n_layers}, qk_norm={spec.qk_norm}, moe={spec.moe is not None}); "
+            f"{_unexpected_fix(spec, name)}"
+        )
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        name = missing[0]
+        raise HFLayoutError(
+            f"{source}: missing tensor '{name}' (expected shape {expected[name]}){_more(missing)} for spec "
+            f"'{spec.name}'; the checkpoint is incomplete or was written for another spec: build the spec "
+            "from its config.json (olmo_model.spec_from_hf_config)"
+        )
+
+
 def validate_hf_tensors(
     spec: ModelSpec,
     shapes: Mapping[str, Sequence[int]],
@@ -259,22 +288,7 @@ def validate_hf_tensors(
     shape or dtype is always an error."""
     expected = hf_param_shapes(spec)
     if strict:
-        unexpected = [name for name in shapes if name not in expected]
-        if unexpected:
-            name = unexpected[0]
-            raise HFLayoutError(
-                f"{source}: unexpected tensor '{name}'{_more(unexpected)} is not a parameter of spec '{spec.name}' "
-                f"(n_layers={spec.n_layers}, qk_norm={spec.qk_norm}, moe={spec.moe is not None}); "
-                f"{_unexpected_fix(spec, name)}"
-            )
-        missing = [name for name in expected if name not in shapes]
-        if missing:
-            name = missing[0]
-            raise HFLayoutError(
-                f"{source}: missing tensor '{name}' (expected shape {expected[name]}){_more(missing)} for spec "
-                f"'{spec.name}'; the checkpoint is incomplete or was written for another spec: build the spec "
-                "from its config.json (olmo_model.spec_from_hf_config)"
-            )
+        _check_names(spec, expected, shapes, source)
     present = [name for name in expected if name in shapes]
     wrong = [name for name in present if tuple(shapes[name]) != expected[name]]
     for name in wrong:
