@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 from olmo_model.maths import HEAD_CHUNK_BYTES, UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
 from olmo_model.spec import ModelSpec
 
-from .recipe import Recipe, RecipeError, batch_layout, load_recipe
+from .recipe import BatchLayout, Recipe, RecipeError, batch_layout, load_recipe
 
 GIB = 2**30
 HEADROOM = 0.9  # plan to use at most 90% of HBM
@@ -234,27 +234,25 @@ def _jax_step(
     return state, head, attention
 
 
-def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float, framework: str | None = None) -> Plan:
-    """The plan of ``recipe`` on ``devices`` of ``device_kind`` for ``framework`` (None: JAX on
-    TPU kinds, torch on GPUs)."""
-    spec = recipe.model_spec()
-    peak = resolve_device_kind(device_kind)
-    seq = recipe.train.sequence_length
-    if seq is None:
-        raise RecipeError("olmo-plan needs train.sequence_length in the recipe (the dry run reads no data)")
-    framework, dp, shard, remat, cp = _framework_layout(recipe, peak.kind, devices, framework)
-    if cp > 1 and seq % (2 * cp):
-        raise RecipeError(
-            f"context degree {cp} needs train.sequence_length={seq} to split into 2 x {cp} equal chunks; "
-            "choose a degree whose double divides the sequence length"
-        )
-    global_batch = recipe.global_batch_sequences(seq)
-    layout = batch_layout(global_batch, dp, recipe.train.micro_batch_size)
+def _memory_terms(
+    recipe: Recipe,
+    spec: ModelSpec,
+    device_kind: str,
+    framework: str,
+    shard: int,
+    remat: str,
+    cp: int,
+    layout: BatchLayout,
+    seq: int,
+    tokens_micro: int,
+) -> tuple[float, float, float, float, float]:
+    """(state, gathered weights, activations, head + loss, K/V exchange) bytes per device at the
+    step's peak, for the trainer ``framework`` with ``tokens_micro`` tokens per device and
+    micro-batch (module docstring)."""
     n = param_counts(spec).total
     state = n * 16 / shard
     biggest_block = max((param_counts(spec).total - param_counts(spec).embedding) / spec.n_layers, 1.0)
     gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
-    tokens_micro = layout.per_device_batch * seq // cp
     per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes
     acts = tokens_micro * per_layer * spec.n_layers
     if remat == "block":  # one block recomputed in full during backward
@@ -271,27 +269,53 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float, framew
     # The K/V of the whole sequence that one global layer gathers under context parallelism.
     exchange = _context_terms(spec, layout.per_device_batch, seq, cp)[1]
     if framework == "jax":
-        flash = peak.kind not in TPU_KINDS and jax_flash_attention(recipe, spec)
+        flash = device_kind not in TPU_KINDS and jax_flash_attention(recipe, spec)
         state, logits, attention = _jax_step(
             spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq, cp, flash
         )
         acts += attention
+    return state, gathered, acts, logits, exchange
+
+
+def _advice(framework: str, remat: str, layout: BatchLayout, shard: int, devices: int, cp: int) -> str:
+    """What to change when the step does not fit: each knob that would lower the peak."""
+    knobs = []
+    if remat != "block":
+        knobs.append("jax.remat=block" if framework == "jax" else "torch.activation_checkpointing=true")
+    if layout.per_device_batch > 1:
+        knobs.append(f"train.micro_batch_size={max(layout.per_device_batch // 2, 1)} (gradient accumulation)")
+    if shard < devices:
+        knobs.append("shard the state over more devices (jax.mesh fsdp=-1 / torch.parallel=fsdp)")
+    if not knobs or layout.per_device_batch == 1:
+        key = "jax.mesh.context" if framework == "jax" else "torch.context_parallel"
+        knobs.append(f"split each sequence over more devices ({key}={2 * cp}, context parallelism)")
+    return "does not fit: " + "; or ".join(knobs)
+
+
+def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float, framework: str | None = None) -> Plan:
+    """The plan of ``recipe`` on ``devices`` of ``device_kind`` for ``framework`` (None: JAX on
+    TPU kinds, torch on GPUs)."""
+    spec = recipe.model_spec()
+    peak = resolve_device_kind(device_kind)
+    seq = recipe.train.sequence_length
+    if seq is None:
+        raise RecipeError("olmo-plan needs train.sequence_length in the recipe (the dry run reads no data)")
+    framework, dp, shard, remat, cp = _framework_layout(recipe, peak.kind, devices, framework)
+    if cp > 1 and seq % (2 * cp):
+        raise RecipeError(
+            f"context degree {cp} needs train.sequence_length={seq} to split into 2 x {cp} equal chunks; "
+            "choose a degree whose double divides the sequence length"
+        )
+    global_batch = recipe.global_batch_sequences(seq)
+    layout = batch_layout(global_batch, dp, recipe.train.micro_batch_size)
+    tokens_micro = layout.per_device_batch * seq // cp
+    state, gathered, acts, logits, exchange = _memory_terms(
+        recipe, spec, peak.kind, framework, shard, remat, cp, layout, seq, tokens_micro
+    )
     total = state + gathered + acts + logits + exchange
     hbm = peak.hbm_bytes
     fits = total <= HEADROOM * hbm
-    advice = ""
-    if not fits:
-        knobs = []
-        if remat != "block":
-            knobs.append("jax.remat=block" if framework == "jax" else "torch.activation_checkpointing=true")
-        if layout.per_device_batch > 1:
-            knobs.append(f"train.micro_batch_size={max(layout.per_device_batch // 2, 1)} (gradient accumulation)")
-        if shard < devices:
-            knobs.append("shard the state over more devices (jax.mesh fsdp=-1 / torch.parallel=fsdp)")
-        if not knobs or layout.per_device_batch == 1:
-            key = "jax.mesh.context" if framework == "jax" else "torch.context_parallel"
-            knobs.append(f"split each sequence over more devices ({key}={2 * cp}, context parallelism)")
-        advice = "does not fit: " + "; or ".join(knobs)
+    advice = "" if fits else _advice(framework, remat, layout, shard, devices, cp)
     fpt = flops_per_token(spec, seq)
     step_time = fpt * recipe.train.global_batch_tokens / (mfu * peak.bf16_flops_per_device * devices)
     steps = recipe.total_steps()
