@@ -48,8 +48,9 @@ from olmo_data import DataError, load_mixture
 from olmo_data.sample import sample_mixture_path
 from olmo_model.presets import SpecError
 from olmo_run.recipe import RecipeError, load_recipe
+from olmo_tools.checkpoint import CheckpointError
 from olmo_tools.convert import main as convert_main
-from olmo_tools.formats import DTYPES, CheckpointError
+from olmo_tools.formats import DTYPES
 from olmo_tools.parity import Side, compare, load_side
 
 GOAL_KL_MEAN = 1e-3

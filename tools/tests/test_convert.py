@@ -18,10 +18,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 from olmo_model import get_preset, hf_config, hf_param_shapes
+from olmo_tools.checkpoint import CheckpointError
 from olmo_tools.convert import convert, main
-from olmo_tools.formats import CheckpointError, HFCheckpoint
+from olmo_tools.formats import HFCheckpoint
 from olmo_tools.parity import load_side
-from olmo_train_torch import build_model, model_from_hf, to_hf
+from olmo_train_torch import initial_model, model_from_hf, to_hf
 
 SEQ = 80  # > window 32 of the tiny presets: sliding and global layers both matter
 # DCP notes on every call that it runs without a process group, which is intended here.
@@ -89,7 +90,7 @@ def write_hf_dir(path: Path, spec, tensors: dict[str, torch.Tensor]) -> None:
 @pytest.fixture(scope="module")
 def tiny():
     spec = get_preset("tiny-gqa")
-    model = build_model(spec, seed=3)
+    model = initial_model(spec, seed=3)
     ids = np.random.default_rng(0).integers(0, spec.vocab_size, (2, SEQ))
     return spec, model, ids, torch_logits(model, ids)
 

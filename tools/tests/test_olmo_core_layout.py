@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from olmo_model import load_spec, spec_from_dict
+from olmo_tools.checkpoint import parse_location
 from olmo_tools.convert import convert, main
-from olmo_tools.formats import open_checkpoint, parse_location
+from olmo_tools.formats import open_checkpoint
 from olmo_tools.parity import load_side
 from olmo_train_torch import model_from_hf
 

@@ -11,9 +11,9 @@ import pytest
 from safetensors.torch import save_file
 
 from olmo_model import get_preset, hf_config
-from olmo_tools.formats import CheckpointError
+from olmo_tools.checkpoint import CheckpointError
 from olmo_tools.parity import Side, compare, main, read_tokens
-from olmo_train_torch import build_model, to_hf
+from olmo_train_torch import initial_model, to_hf
 
 KEYS = {"kl_mean", "kl_max", "top1_agreement", "max_abs_logit_diff", "n_positions", "passed", "a", "b"}
 
@@ -21,7 +21,7 @@ KEYS = {"kl_mean", "kl_max", "top1_agreement", "max_abs_logit_diff", "n_position
 def _hf_dir(path, spec, seed):
     """An HF folder of our torch model's random weights, written with safetensors' own writer."""
     path.mkdir()
-    tensors = {k: v.contiguous() for k, v in to_hf(build_model(spec, seed=seed), spec).items()}
+    tensors = {k: v.contiguous() for k, v in to_hf(initial_model(spec, seed=seed), spec).items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config(spec)))
     return path

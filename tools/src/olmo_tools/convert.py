@@ -35,18 +35,10 @@ from olmo_data import DataError
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.presets import SpecError
 
-from .formats import (
-    DTYPES,
-    CheckpointError,
-    atomic_destination,
-    check_destination,
-    open_checkpoint,
-    parse_location,
-    require_jax,
-    write_hf,
-    write_olmo_core,
-)
-from .hf_tokenizer import export_tokenizer
+from .checkpoint import Checkpoint, CheckpointError, Location, parse_location, require_jax
+from .formats import DTYPES, atomic_destination, check_destination, open_checkpoint, write_hf, write_olmo_core
+from .hf_tokenizer import ExportTokenizer, export_tokenizer
+from .native import write_jax, write_torch
 
 
 def convert(
@@ -65,21 +57,12 @@ def convert(
     CheckpointError on any bad input. ``torch-run:``/``jax-run:`` on both sides convert a whole
     training state (train_state.py); as a source of weights alone they read as torch:/jax:."""
     from .remote import fetch_source, refuse_remote_destination
-    from .train_state import RUN_KINDS, convert_training_state, is_run_location
+    from .train_state import is_run_location
 
     refuse_remote_destination(dst)
     src = fetch_source(src)
     if is_run_location(dst):
-        if not is_run_location(src):
-            raise CheckpointError(
-                f"{dst}: a run is written from a training state (a {' or '.join(k + ':' for k in RUN_KINDS)} source), "
-                f"and {src} holds weights only; to start a run from weights, set init.checkpoint in its recipe"
-            )
-        if dtype is not None:
-            raise CheckpointError("--dtype does not apply to a training state: it stays float32 (master weights)")
-        if tokenizer is not None:
-            raise CheckpointError("--tokenizer applies to hf: destinations only; a run keeps its mixture's")
-        return convert_training_state(src, dst, overwrite=overwrite)
+        return _convert_run(src, dst, dtype=dtype, overwrite=overwrite, tokenizer=tokenizer)
     if is_run_location(src):
         kind, _, path = src.partition(":")
         src = f"{kind.removesuffix('-run')}:{path}"  # the weights of that training state
@@ -92,34 +75,59 @@ def convert(
     if dst_loc.kind == "jax":
         require_jax(dst)
     with open_checkpoint(src_loc, spec) as ckpt:
-
-        def dtype_of(name: str) -> torch.dtype:
-            return dtype or ckpt.stored[name][1]
-
         export, why_none = export_tokenizer(ckpt, tokenizer) if dst_loc.kind == "hf" else (None, "")
         with atomic_destination(dst_loc.path, overwrite) as tmp:
-            if dst_loc.kind == "hf":
-                write_hf(tmp, ckpt.spec if export is None else export.spec, ckpt.tensor, dtype_of, max_shard_bytes)
-                if export is not None:
-                    export.write(tmp)
-            elif dst_loc.kind == "olmo-core":
-                write_olmo_core(tmp, ckpt, dtype_of, as_file=dst_loc.path.suffix == ".pt")
-            elif dst_loc.kind == "torch":
-                from .native import write_torch
-
-                write_torch(tmp, ckpt, dtype_of)
-            else:
-                from .native import write_jax
-
-                stored = {d for _, d in ckpt.stored.values()}
-                keep_bf16 = dtype is None and stored == {torch.bfloat16}
-                write_jax(tmp, ckpt, "bfloat16" if dtype == torch.bfloat16 or keep_bf16 else "float32")
+            _write_weights(dst_loc, tmp, ckpt, dtype, export, max_shard_bytes)
         if dst_loc.kind == "hf" and export is None:
             print(
                 f"olmo-convert: {dst} has no tokenizer: {why_none}; pass --tokenizer FILE_OR_DIR to add one",
                 file=sys.stderr,
             )
         return ckpt.spec if export is None else export.spec
+
+
+def _convert_run(src: str, dst: str, *, dtype: torch.dtype | None, overwrite: bool, tokenizer: str | None) -> ModelSpec:
+    """A whole training state from the run ``src`` to the run ``dst`` (olmo_tools.train_state)."""
+    from .train_state import RUN_KINDS, convert_training_state, is_run_location
+
+    if not is_run_location(src):
+        raise CheckpointError(
+            f"{dst}: a run is written from a training state (a {' or '.join(k + ':' for k in RUN_KINDS)} source), "
+            f"and {src} holds weights only; to start a run from weights, set init.checkpoint in its recipe"
+        )
+    if dtype is not None:
+        raise CheckpointError("--dtype does not apply to a training state: it stays float32 (master weights)")
+    if tokenizer is not None:
+        raise CheckpointError("--tokenizer applies to hf: destinations only; a run keeps its mixture's")
+    return convert_training_state(src, dst, overwrite=overwrite)
+
+
+def _write_weights(
+    dst_loc: Location,
+    tmp: Path,
+    ckpt: Checkpoint,
+    dtype: torch.dtype | None,
+    export: ExportTokenizer | None,
+    max_shard_bytes: int,
+) -> None:
+    """``ckpt``'s weights into ``tmp`` in the format of ``dst_loc`` (with the tokenizer ``export``
+    for hf:), each tensor cast to ``dtype`` or kept as stored."""
+
+    def dtype_of(name: str) -> torch.dtype:
+        return dtype or ckpt.stored[name][1]
+
+    if dst_loc.kind == "hf":
+        write_hf(tmp, ckpt.spec if export is None else export.spec, ckpt.tensor, dtype_of, max_shard_bytes)
+        if export is not None:
+            export.write(tmp)
+    elif dst_loc.kind == "olmo-core":
+        write_olmo_core(tmp, ckpt, dtype_of, as_file=dst_loc.path.suffix == ".pt")
+    elif dst_loc.kind == "torch":
+        write_torch(tmp, ckpt, dtype_of)
+    else:
+        stored = {d for _, d in ckpt.stored.values()}
+        keep_bf16 = dtype is None and stored == {torch.bfloat16}
+        write_jax(tmp, ckpt, "bfloat16" if dtype == torch.bfloat16 or keep_bf16 else "float32")
 
 
 def _size_of(path: Path) -> int:

@@ -1,9 +1,8 @@
-"""Weight formats olmo-convert and olmo-parity read and write, seen through one interface.
+"""Weight formats olmo-convert and olmo-parity read and write, seen through one interface
+(``olmo_tools.checkpoint.Checkpoint``), and ``open_checkpoint``, the reader of any kind.
 
-A ``Checkpoint`` knows its ``ModelSpec`` and what it stores (name -> shape, dtype) under
-the interchange names (transformers' Olmo3 names, ``olmo_model.hf_param_shapes``), and
-hands out one tensor at a time, so a conversion between streamable formats holds about
-one tensor in memory:
+A ``Checkpoint`` hands out one tensor at a time, so a conversion between streamable formats
+holds about one tensor in memory:
 
 - ``hf:DIR``: config.json + model.safetensors, or model-0000i-of-0000n.safetensors with
   model.safetensors.index.json; read tensor by tensor with positional reads, written by
@@ -13,7 +12,8 @@ one tensor in memory:
   model keys sit under ``model.`` (as OLMo-core's ``save_model_and_optim_state`` writes
   them; its ``optim.*`` entries are ignored). It carries no config: ``--spec`` is needed.
 
-Our trainers' own checkpoints (``torch:DIR``, ``jax:DIR``) live in ``olmo_tools.native``.
+Our trainers' own checkpoints (``torch:DIR``, ``jax:DIR``) live in ``olmo_tools.native``,
+torch.distributed.checkpoint reading in ``olmo_tools.dcp``.
 Every check (missing/unexpected tensor, shape, vocab, spec/config agreement) runs before
 anything is written, and writers fill a temporary sibling of the destination that is
 renamed into place only when complete.
@@ -24,63 +24,32 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import struct
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from olmo_model import (
-    HFLayoutError,
-    ModelSpec,
-    hf_config,
-    hf_param_shapes,
-    load_spec,
-    spec_from_hf_config,
-    validate_hf_tensors,
-)
+from olmo_model import ModelSpec, hf_config, hf_param_shapes, spec_from_hf_config
 from olmo_model.presets import SpecError
-from olmo_run.runlog import CheckpointDamagedError, pid_alive, read_verified_meta
+from olmo_run.checkpoints import pid_alive
 
-KINDS = ("hf", "olmo-core", "torch", "jax")
+from .checkpoint import KINDS, Checkpoint, CheckpointError, Location, checked_tensor, resolve_spec, validate
+from .dcp import DCP_METADATA, DCPDir, load_torch_file, save_dcp
+from .native import JaxCheckpoint, TorchCheckpoint
+
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DCP_METADATA = ".metadata"  # the file torch.distributed.checkpoint writes last
 TOKENIZER_FILE = "tokenizer.json"  # a fast (tokenizers) tokenizer, as HF folders hold it
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _DTYPE_FROM_SAFETENSORS = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint or destination that cannot be used; the message names the file, the tensor and the fix."""
-
-
-@dataclass(frozen=True)
-class Location:
-    kind: str
-    path: Path
-
-    def __str__(self) -> str:
-        return f"{self.kind}:{self.path}"
-
-
-def parse_location(text: str, kinds: tuple[str, ...] = KINDS) -> Location:
-    """``KIND:PATH`` -> Location; an unknown kind is an error listing the known ones."""
-    kind, sep, path = text.partition(":")
-    if not sep or kind not in kinds or not path:
-        raise CheckpointError(f"'{text}': expected KIND:PATH with KIND one of {', '.join(kinds)} (e.g. hf:out/model)")
-    return Location(kind, Path(path))
-
 
 # ---- OLMo-core names -------------------------------------------------------------------
 # OLMo-core's olmo3 Transformer (ReorderedNormTransformerBlock) parameter names, as its HF
@@ -130,105 +99,6 @@ def olmo_core_name(hf_name: str) -> str:
             f"tensor '{hf_name}' has no OLMo-core olmo3 counterpart (MoE and per-head QK-norm are not mapped)"
         )
     return f"blocks.{m.group(1)}.{_HF_FROM_BLOCK[m.group(2)]}"
-
-
-# ---- the reader interface ----------------------------------------------------------------
-class Checkpoint:
-    """A readable checkpoint: ``spec``, ``stored`` (interchange name -> (shape, dtype)) and ``tensor(name)``;
-    where it knows its tokenizer, ``mixture`` (a trainer checkpoint: the mixture its recipe trained
-    on) or ``tokenizer_dir`` (an HF folder holding a tokenizer.json)."""
-
-    origin: str
-    spec: ModelSpec
-    stored: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    mixture: str | None = None
-    tokenizer_dir: Path | None = None
-
-    def tensor(self, name: str) -> torch.Tensor:
-        raise NotImplementedError
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter in spec order, one at a time."""
-        for name in hf_param_shapes(self.spec):
-            yield name, self.tensor(name)
-
-    def close(self) -> None:
-        """Release open files; the default reader holds none."""
-
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def spec_disagreement(stored: ModelSpec, given: ModelSpec) -> list[str]:
-    """Fields on which two specs differ (the display ``name`` aside)."""
-    a, b = stored.model_dump(exclude={"name"}), given.model_dump(exclude={"name"})
-    return [f"{k}: {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]
-
-
-def resolve_spec(stored: ModelSpec | None, given: str | ModelSpec | None, origin: str, stored_in: str) -> ModelSpec:
-    """The checkpoint's own spec, checked against ``--spec`` when both exist."""
-    given_spec = load_spec(given) if isinstance(given, (str, Path)) else given
-    if stored is None:
-        if given_spec is None:
-            raise CheckpointError(f"{origin}: the checkpoint carries no config; pass --spec PRESET_OR_FILE")
-        return given_spec
-    if given_spec is not None:
-        diff = spec_disagreement(stored, given_spec)
-        if diff:
-            raise CheckpointError(
-                f"{origin}: {stored_in} disagrees with --spec ({'; '.join(diff[:3])}); "
-                "drop --spec to use the checkpoint's own config, or fix the spec"
-            )
-    return stored
-
-
-def require_jax(use: str) -> None:
-    """A one-line CheckpointError unless the JAX trainer (jax, flax, orbax) can be imported: the
-    olmo-tools[jax] extra, which conversions between torch/OLMo-core and hf do not need."""
-    try:
-        import olmo_train_jax  # noqa: F401 - imported for the check; its users import what they need
-    except ImportError as err:
-        raise CheckpointError(
-            f"{use}: needs the JAX trainer, which is not installed ({err}); install olmo-tools[jax] "
-            "(in this workspace: uv sync --package olmo-tools --extra jax, or uv sync --all-packages)"
-        ) from None
-
-
-def verified_trainer_meta(ckpt: Path) -> dict:
-    """The meta.json of a trainer checkpoint folder, once its files match the sizes and sha256
-    recorded in it (olmo_run.runlog.verify_checkpoint)."""
-    try:
-        return read_verified_meta(ckpt)
-    except CheckpointDamagedError as err:
-        raise CheckpointError(
-            f"{err}; convert an intact checkpoint (an older step of that run) or restore it from a copy"
-        ) from None
-
-
-def validate(ckpt: Checkpoint) -> None:
-    """Every expected tensor present with its shape, nothing unexpected, a float dtype
-    (``olmo_model.validate_hf_tensors``, its error raised as a CheckpointError)."""
-    try:
-        validate_hf_tensors(
-            ckpt.spec,
-            {name: shape for name, (shape, _) in ckpt.stored.items()},
-            ckpt.origin,
-            dtypes={name: dtype for name, (_, dtype) in ckpt.stored.items()},
-        )
-    except HFLayoutError as err:
-        raise CheckpointError(str(err)) from None
-
-
-def checked_tensor(ckpt: Checkpoint, name: str, t: torch.Tensor) -> torch.Tensor:
-    # A file can lie in its header only by corruption; still, never pass on a wrong tensor.
-    if tuple(t.shape) != ckpt.stored[name][0]:
-        raise CheckpointError(
-            f"{ckpt.origin}: tensor '{name}' read with shape {tuple(t.shape)}, header says {ckpt.stored[name][0]}"
-        )
-    return t
 
 
 # ---- HF safetensors --------------------------------------------------------------------
@@ -389,88 +259,6 @@ def write_hf(
     (dst / CONFIG_FILE).write_text(json.dumps(hf_config(spec), indent=2) + "\n")
 
 
-# ---- torch.distributed.checkpoint, one key at a time ---------------------------------------
-@contextmanager
-def _single_process() -> Iterator[None]:
-    # DCP warns on every call that it runs without a process group, which is the point here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def _dcp_reader(path: Path):
-    """torch's FileSystemReader, also for DCPs that OLMo-core wrote, without importing OLMo-core.
-
-    OLMo-core's writer (olmo_core.distributed.checkpoint.filesystem) pickles its own copy of
-    torch's per-item record ``_StorageInfo`` (relative_path, offset, length) into .metadata;
-    the tensor bytes are torch.save blobs as torch writes them. Unpickling maps that class
-    onto torch's, so torch's reader reads the rest unchanged."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str):
-            if module == "olmo_core.distributed.checkpoint.filesystem" and name == "_StorageInfo":
-                return _StorageInfo
-            return super().find_class(module, name)
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args, **kwargs):
-            with open(path / DCP_METADATA, "rb") as f:
-                metadata = Unpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return Reader(str(path))
-
-
-class DCPDir:
-    """A torch.distributed.checkpoint directory read one tensor per ``load`` (no process group)."""
-
-    def __init__(self, path: Path):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        self.path = path
-        meta = _dcp_reader(path).read_metadata()
-        self.tensors = {
-            key: (tuple(m.size), m.properties.dtype)
-            for key, m in meta.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata)
-        }
-
-    def load(self, key: str) -> torch.Tensor:
-        import torch.distributed.checkpoint as dcp
-
-        shape, dtype = self.tensors[key]
-        out = torch.empty(shape, dtype=dtype)
-        with _single_process():
-            dcp.load({key: out}, storage_reader=_dcp_reader(self.path), no_dist=True)
-        return out
-
-
-def save_dcp(dst: Path, state: Mapping[str, torch.Tensor]) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    with _single_process():
-        dcp.save(dict(state), storage_writer=dcp.FileSystemWriter(str(dst)), no_dist=True)
-
-
-def load_torch_file(path: Path) -> Mapping[str, torch.Tensor]:
-    """A torch.save'd state dict, memory-mapped so tensors are read only when touched."""
-    try:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except (RuntimeError, OSError, EOFError) as err:
-        raise CheckpointError(f"{path}: not a readable torch state dict ({err})") from None
-    if isinstance(state, dict) and set(state) == {"model"} and isinstance(state["model"], dict):
-        state = state["model"]  # {"model": state_dict}, as OLMo-core's unsharder and many trainers save it
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, expected a state dict (name -> tensor)")
-    return state
-
-
 # ---- OLMo-core ----------------------------------------------------------------------------
 class OlmoCoreCheckpoint(Checkpoint):
     """An OLMo-core olmo3 model state dict: a ``.pt`` file or a DCP directory (keys under ``model.``)."""
@@ -591,12 +379,8 @@ def open_checkpoint(loc: Location, spec: str | ModelSpec | None = None) -> Check
     elif loc.kind == "olmo-core":
         ckpt = OlmoCoreCheckpoint(loc.path, spec)
     elif loc.kind == "torch":
-        from .native import TorchCheckpoint
-
         ckpt = TorchCheckpoint(loc.path, spec)
     elif loc.kind == "jax":
-        from .native import JaxCheckpoint
-
         ckpt = JaxCheckpoint(loc.path, spec)
     else:
         raise CheckpointError(f"{loc}: cannot read kind '{loc.kind}'; use one of {', '.join(KINDS)}")

@@ -33,7 +33,8 @@ from typing import Any
 from olmo_model import ModelSpec
 from olmo_model.presets import spec_from_dict
 
-from .formats import TOKENIZER_FILE, Checkpoint, CheckpointError
+from .checkpoint import Checkpoint, CheckpointError
+from .formats import TOKENIZER_FILE
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
 SPECIAL_TOKENS_MAP = "special_tokens_map.json"

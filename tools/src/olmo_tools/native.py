@@ -1,4 +1,4 @@
-"""Our two trainers' model checkpoints as ``olmo_tools.formats.Checkpoint`` readers and writers.
+"""Our two trainers' model checkpoints as ``olmo_tools.checkpoint.Checkpoint`` readers and writers.
 
 - ``torch:DIR``: ``spec.json`` (the ModelSpec as JSON; a trainer checkpoint folder has it in
   ``meta.json`` instead) and the ``OlmoModel`` state dict
@@ -28,24 +28,14 @@ import torch
 
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.presets import SpecError, spec_from_dict
+from olmo_run.errors import CheckpointDamagedError, TrainingStateError
 from olmo_run.init_source import LATEST, resolve_checkpoint
-from olmo_run.runlog import CheckpointDamagedError, TrainingStateError
 
-from .formats import (
-    DCP_METADATA,
-    Checkpoint,
-    CheckpointError,
-    DCPDir,
-    checked_tensor,
-    load_torch_file,
-    require_jax,
-    resolve_spec,
-    save_dcp,
-    verified_trainer_meta,
-)
+from .checkpoint import Checkpoint, CheckpointError, checked_tensor, require_jax, resolve_spec, verified_trainer_meta
+from .dcp import DCP_METADATA, DCPDir, load_torch_file, save_dcp
 
 SPEC_FILE = "spec.json"
-META_FILE = "meta.json"  # written last into each trainer checkpoint (olmo_run.runlog)
+META_FILE = "meta.json"  # written last into each trainer checkpoint (olmo_run.checkpoints)
 RUN_CHECKPOINTS = "checkpoints"  # a run dir's checkpoint folders
 TORCH_FILE = "model.pt"
 JAX_STATE = "state"
@@ -242,19 +232,19 @@ def _read_jax_dir(path: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
 
 def _read_jax_trainer_weights(ckpt: Path, spec: ModelSpec) -> dict[str, np.ndarray]:
     """The interchange tensors of a JAX trainer checkpoint's parameters, restored by the trainer's
-    own ``restore_state`` (weights only: its ``state/`` also holds the AdamW state and the step)
+    own ``load_checkpoint`` (weights only: its ``state/`` also holds the AdamW state and the step)
     onto this process's first device."""
     import jax
     from flax import nnx
 
     from olmo_train_jax import build_model, to_hf
-    from olmo_train_jax.checkpoint import abstract_like, restore_state
+    from olmo_train_jax.checkpoint import abstract_like, load_checkpoint
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: build_model(spec)))
     shapes = nnx.to_pure_dict(state)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     try:
-        params, _, _ = restore_state(ckpt, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)), None)
+        params, _, _ = load_checkpoint(ckpt, abstract_like(shapes, jax.tree.map(lambda _: device, shapes)), None)
     except TrainingStateError as err:
         raise CheckpointError(str(err)) from None
     nnx.replace_by_pure_dict(state, params)

@@ -38,17 +38,8 @@ from rich.table import Table
 from olmo_model import ModelSpec
 from olmo_model.presets import SpecError
 
-from .formats import (
-    DTYPES,
-    KINDS,
-    CheckpointError,
-    HFCheckpoint,
-    open_checkpoint,
-    parse_location,
-    require_jax,
-    spec_disagreement,
-    validate,
-)
+from .checkpoint import KINDS, CheckpointError, parse_location, require_jax, spec_disagreement, validate
+from .formats import DTYPES, HFCheckpoint, open_checkpoint
 from .train_parity import add_train_command
 
 PARITY_KINDS = (*KINDS, "hf-ref")

@@ -21,11 +21,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from olmo_run.errors import TrainingStateError
 from olmo_run.init_source import resolve_checkpoint
-from olmo_run.runlog import TrainingStateError
 from olmo_run.storage import URLPath, is_url, run_path
 
-from .formats import CheckpointError
+from .checkpoint import CheckpointError
 
 TRAINER_KINDS = ("torch", "jax", "torch-run", "jax-run")
 # Objects downloaded at once.

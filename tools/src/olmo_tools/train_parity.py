@@ -34,10 +34,12 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_model import ModelSpec
+from olmo_run.metrics import read_metrics
 from olmo_run.recipe import Recipe, RecipeError, load_recipe
-from olmo_run.runlog import read_metrics, write_atomic
+from olmo_run.run_dir import write_atomic
 
-from .formats import CheckpointError, atomic_destination, require_jax, write_hf
+from .checkpoint import CheckpointError, require_jax
+from .formats import atomic_destination, write_hf
 
 FRAMEWORKS = ("torch", "jax")
 INIT_DIR = "init-hf"
@@ -51,10 +53,9 @@ def export_initial_weights(spec: ModelSpec, seed: int, dst: Path) -> None:
     """The torch trainer's step-0 weights for ``seed`` as an HF folder (the shared starting point)."""
     import torch
 
-    from olmo_train_torch.hf_adapter import to_hf
-    from olmo_train_torch.model import build_model
+    from olmo_train_torch.hf_adapter import initial_model, to_hf
 
-    tensors = to_hf(build_model(spec, seed=seed), spec)
+    tensors = to_hf(initial_model(spec, seed=seed), spec)
     with atomic_destination(dst, overwrite=False) as tmp:
         write_hf(tmp, spec, lambda name: tensors[name].contiguous(), lambda name: torch.float32)
 
@@ -151,29 +152,9 @@ def run_train_parity(args: argparse.Namespace) -> int:
         spec = recipe.model_spec()
     except RecipeError as err:
         raise TrainParityError(str(err)) from None
-    out = Path(args.out) if args.out else Path("runs") / f"parity-{recipe.name}"
-    parts = [out / INIT_DIR, *(out / fw for fw in FRAMEWORKS)]
-    if any(p.exists() for p in parts):
-        if not args.overwrite:
-            raise TrainParityError(f"{out}: holds an earlier parity run; pass --overwrite or choose another --out")
-        for p in parts:
-            shutil.rmtree(p, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _fresh_out(args, recipe)
     export_initial_weights(spec, recipe.train.seed, out / INIT_DIR)
-
-    common = [
-        *forced,
-        f"--init.checkpoint=hf:{(out / INIT_DIR).absolute()}",
-        "--init.load_optimizer=false",
-        "--log.every=1",
-        "--log.progress=false",
-        f"--checkpoint.every={args.steps}",
-        "--torch.parallel=none",
-    ]
-    wall = {}
-    for fw in FRAMEWORKS:
-        argv = ([args.recipe] if args.recipe else []) + [*args.overrides, *common, f"--run_dir={(out / fw).absolute()}"]
-        wall[fw] = _run_trainer(fw, argv, out / f"{fw}.log")
+    wall = _run_both(args, forced, out)
     result = compare_runs(out / "torch", out / "jax", args.steps)
 
     failures = check_thresholds(
@@ -192,7 +173,59 @@ def run_train_parity(args: argparse.Namespace) -> int:
         png,
         "loss",
     )
-    report = {
+    report = _report(args, recipe, spec, out, png, wall, result, failures)
+    write_atomic(out / "parity.json", json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print_table(report)
+    return 0 if not failures else 1
+
+
+def _fresh_out(args: argparse.Namespace, recipe: Recipe) -> Path:
+    """The output folder (``--out``, default runs/parity-NAME), an earlier parity run in it
+    removed when ``--overwrite`` allows."""
+    out = Path(args.out) if args.out else Path("runs") / f"parity-{recipe.name}"
+    parts = [out / INIT_DIR, *(out / fw for fw in FRAMEWORKS)]
+    if any(p.exists() for p in parts):
+        if not args.overwrite:
+            raise TrainParityError(f"{out}: holds an earlier parity run; pass --overwrite or choose another --out")
+        for p in parts:
+            shutil.rmtree(p, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _run_both(args: argparse.Namespace, forced: list[str], out: Path) -> dict[str, float]:
+    """Both trainers from the initial weights in OUT/init-hf, each into OUT/FRAMEWORK; wall seconds of each."""
+    common = [
+        *forced,
+        f"--init.checkpoint=hf:{(out / INIT_DIR).absolute()}",
+        "--init.load_optimizer=false",
+        "--log.every=1",
+        "--log.progress=false",
+        f"--checkpoint.every={args.steps}",
+        "--torch.parallel=none",
+    ]
+    wall = {}
+    for fw in FRAMEWORKS:
+        argv = ([args.recipe] if args.recipe else []) + [*args.overrides, *common, f"--run_dir={(out / fw).absolute()}"]
+        wall[fw] = _run_trainer(fw, argv, out / f"{fw}.log")
+    return wall
+
+
+def _report(
+    args: argparse.Namespace,
+    recipe: Recipe,
+    spec: ModelSpec,
+    out: Path,
+    png: Path,
+    wall: dict[str, float],
+    result: dict[str, Any],
+    failures: list[str],
+) -> dict[str, Any]:
+    """The contents of OUT/parity.json (and of ``--json``)."""
+    return {
         "recipe": args.recipe or "default recipe",
         "overrides": args.overrides,
         "spec": spec.name,
@@ -213,12 +246,6 @@ def run_train_parity(args: argparse.Namespace) -> int:
         "passed": not failures,
         "failures": failures,
     }
-    write_atomic(out / "parity.json", json.dumps(report, indent=2))
-    if args.json:
-        print(json.dumps(report))
-    else:
-        _print_table(report)
-    return 0 if not failures else 1
 
 
 def _print_table(r: dict[str, Any]) -> None:

@@ -35,21 +35,15 @@ from typing import Any
 import numpy as np
 
 from olmo_model import ModelSpec, hf_param_shapes
+from olmo_run.checkpoints import complete_checkpoints, training_meta
+from olmo_run.errors import TrainingStateError
 from olmo_run.init_source import resolve_checkpoint
 from olmo_run.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from olmo_run.runlog import TrainingStateError, complete_checkpoints, training_meta, write_atomic
+from olmo_run.run_dir import write_atomic
 
-from .formats import (
-    DCP_METADATA,
-    CheckpointError,
-    DCPDir,
-    Location,
-    atomic_destination,
-    parse_location,
-    require_jax,
-    spec_disagreement,
-    verified_trainer_meta,
-)
+from .checkpoint import CheckpointError, Location, parse_location, require_jax, spec_disagreement, verified_trainer_meta
+from .dcp import DCP_METADATA, DCPDir
+from .formats import atomic_destination
 
 RUN_KINDS = ("torch-run", "jax-run")
 
@@ -195,13 +189,13 @@ def _jax_abstract(spec: ModelSpec, recipe: Recipe):
 def _read_jax(ckpt: Path, spec: ModelSpec, recipe: Recipe):
     import optax.tree_utils as otu
 
-    from olmo_train_jax.checkpoint import STATE_DIR, restore_state
+    from olmo_train_jax.checkpoint import STATE_DIR, load_checkpoint
 
     if not (ckpt / STATE_DIR).is_dir():
         raise CheckpointError(f"{ckpt}: no {STATE_DIR}/; not a JAX trainer checkpoint (or a damaged one)")
     abstract_params, abstract_opt, _ = _jax_abstract(spec, recipe)
     try:
-        params, opt_state, _ = restore_state(ckpt, abstract_params, abstract_opt)
+        params, opt_state, _ = load_checkpoint(ckpt, abstract_params, abstract_opt)
     except (ValueError, KeyError, FileNotFoundError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{ckpt}: cannot read it as this model's JAX training state ({first})") from None
