@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 from cli_checks import refused
 
-from olmo_run.runlog import UNCHECKED_FORMAT, complete_checkpoints, read_metrics, read_verified_meta
+from olmo_run.checkpoints import UNCHECKED_FORMAT, complete_checkpoints, read_verified_meta
+from olmo_run.metrics import read_metrics
 
 # The fixture (one_torch_thread) lives in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -26,7 +26,7 @@ from ranks import run_cli_forked
 from olmo_data import open_training_mixture
 from olmo_data.digest import batch_digest
 from olmo_model import layout_loss_tolerance
-from olmo_run.runlog import read_metrics
+from olmo_run.metrics import read_metrics
 
 STEPS = 8
 RECIPE = [

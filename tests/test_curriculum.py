@@ -29,9 +29,11 @@ import transformers
 from transformers import Olmo3Config, Olmo3ForCausalLM
 
 from olmo_model import ModelSpec, hf_config, load_spec
+from olmo_run.checkpoints import checkpoint_dir, commit_checkpoint, training_meta
+from olmo_run.errors import TrainingStateError
 from olmo_run.init_source import resolve_checkpoint, resolve_init
+from olmo_run.metrics import read_metrics
 from olmo_run.recipe import load_recipe
-from olmo_run.runlog import TrainingStateError, checkpoint_dir, commit_checkpoint, read_metrics, training_meta
 from olmo_tools.train_state import read_training_state
 
 transformers.logging.set_verbosity_error()  # YaRN factor != max_pos / original context warns; intended

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from olmo_data.shards import ShardWriter, read_manifest
-from olmo_run.runlog import complete_checkpoints
+from olmo_run.checkpoints import complete_checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -4,7 +4,7 @@ fake-gcs-server, each behind a relay that can be cut.
 
 The independent reference is always the same run with a local run dir: its losses (compared
 bitwise, both runs being one process on the same CPU) and batch digests. What lands in the
-bucket is listed with fileio, and the commit rule is read back with the same runlog functions
+bucket is listed with fileio, and the commit rule is read back with the same olmo_run.checkpoints functions
 a resume uses.
 
 Each framework writes checkpoints to both schemes: torch (DCP's fsspec writer) on s3:// in the
@@ -26,7 +26,8 @@ from ranks import run_cli_forked
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
 from olmo_model import layout_loss_tolerance
-from olmo_run.runlog import complete_checkpoints, read_metrics, read_verified_meta
+from olmo_run.checkpoints import complete_checkpoints, read_verified_meta
+from olmo_run.metrics import read_metrics
 from olmo_run.storage import URLPath, local_copy
 
 pytest_plugins = ["object_store"]

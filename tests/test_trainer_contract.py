@@ -6,7 +6,7 @@ On one synthetic mixture written by the module (sequence 64, global batch 16 seq
 model, fp32, CPU), one uninterrupted 20-step run per framework (checkpoints and held-out evals
 at steps 10 and 20) is the reference the tests compare against:
 
-1. every train line has exactly ``runlog.TRAIN_KEYS``, its LR is the recipe schedule's at that
+1. every train line has exactly ``metrics.TRAIN_KEYS``, its LR is the recipe schedule's at that
    step, and its ``batch_digest`` is ``olmo_data.digest.batch_digest`` of the global batch the
    data order defines for that step;
 2. SIGKILL right after the step-10 checkpoint, then a restart: every step's loss, grad norm, LR
@@ -49,8 +49,9 @@ from olmo_data import load_mixture
 from olmo_data.digest import batch_digest
 from olmo_model import fp32_mean_tolerance, get_preset, hf_config, hf_param_shapes, layout_loss_tolerance
 from olmo_model.moe import MOE_KEYS
+from olmo_run.checkpoints import checkpoint_dir, complete_checkpoints
+from olmo_run.metrics import TRAIN_KEYS, read_metrics
 from olmo_run.recipe import load_recipe
-from olmo_run.runlog import TRAIN_KEYS, checkpoint_dir, complete_checkpoints, read_metrics
 
 # The fixtures one_torch_thread and run_helpers live in the workspace's root conftest.py.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

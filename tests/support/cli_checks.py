@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from olmo_run.runlog import checkpoint_dir, complete_checkpoints, read_metrics
+from olmo_run.checkpoints import checkpoint_dir, complete_checkpoints
+from olmo_run.metrics import read_metrics
 
 
 def refused(main: Callable[[list[str]], int], capsys, args: list[str], *needles: str) -> str:

@@ -60,7 +60,7 @@ PRELOAD = [
     "olmo_train_jax.train",
     "olmo_train_jax.checkpoint",
     "olmo_train_jax.cli",
-    "matplotlib.pyplot",  # every run ends with its loss plot (olmo_run.runlog.plot_loss)
+    "matplotlib.pyplot",  # every run ends with its loss plot (olmo_run.metrics.plot_loss)
 ]
 
 _loaded: dict[str, ModuleType] = {}

@@ -8,10 +8,10 @@ The state is what a checkpoint of ``--spec`` holds: the parameters and both Adam
 float32, random values (random bytes do not compress, like trained weights), in each
 framework's layout as its trainer saves it, written with the framework's own save:
 
-- save: the framework's save, then the commit: ``runlog.commit_checkpoint`` (hashes every file
+- save: the framework's save, then the commit: ``checkpoints.commit_checkpoint`` (hashes every file
   and writes meta.json, what the trainers do) against writing meta.json alone (the commit
   before checksums);
-- restore: ``runlog.read_verified_meta`` (size and sha256 of every file) then the framework's
+- restore: ``checkpoints.read_verified_meta`` (size and sha256 of every file) then the framework's
   restore, against the framework's restore alone.
 
 Variants alternate within each repeat, so background load hits them alike; the table gives the
@@ -40,8 +40,9 @@ from rich.console import Console
 from rich.table import Table
 
 from olmo_model import hf_param_shapes, load_spec
+from olmo_run.checkpoints import commit_checkpoint, read_verified_meta, training_meta
 from olmo_run.recipe import load_recipe
-from olmo_run.runlog import commit_checkpoint, read_verified_meta, training_meta, write_atomic
+from olmo_run.run_dir import write_atomic
 
 RESULTS = Path(__file__).parent / "results"
 # DCP announces on every call that it runs without a process group, which is the point here.

@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from torch.distributed.checkpoint import FileSystemReader
 
-from olmo_run.runlog import complete_checkpoints, read_meta, read_metrics
+from olmo_run.checkpoints import complete_checkpoints, read_meta
+from olmo_run.metrics import read_metrics
 from olmo_tools.convert import main as convert_main
 
 STEPS = 20

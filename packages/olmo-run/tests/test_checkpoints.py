@@ -1,5 +1,5 @@
-"""Checkpoint integrity in ``olmo_run.runlog``, framework-neutral (issue 23): the checksums
-commit_checkpoint records, their verification on resume, checkpoint.fallback, the recipe fields a
+"""Checkpoint integrity (``olmo_run.checkpoints``, ``olmo_run.resume``), framework-neutral (issue
+23): the checksums commit_checkpoint records, their verification on resume, checkpoint.fallback, the recipe fields a
 resume may not change, and the clean-up of what interrupted saves leave behind.
 
 The checkpoints here are folders of random bytes committed exactly as the trainers commit theirs
@@ -18,21 +18,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from olmo_run.recipe import Recipe, load_recipe
-from olmo_run.runlog import (
+from olmo_run.checkpoints import (
     CHECKPOINT_FORMAT,
     UNCHECKED_FORMAT,
-    CheckpointDamagedError,
-    TrainingStateError,
     checkpoint_dir,
     clean_orphans,
     commit_checkpoint,
     complete_checkpoints,
-    find_resume,
     prune_checkpoints,
     read_meta,
     training_meta,
 )
+from olmo_run.errors import CheckpointDamagedError, TrainingStateError
+from olmo_run.recipe import Recipe, load_recipe
+from olmo_run.resume import find_resume
 
 ARRAY = "state/d/0123abcd"  # where a framework keeps tensor bytes
 BASE = ["--model=tiny", "--train.steps=40", "--train.precision=fp32"]

@@ -29,16 +29,11 @@ import pytest
 from olmo_data import load_mixture
 from olmo_model import flops_per_token
 from olmo_run import StepResult, announce_finished, plan_run, run
+from olmo_run.checkpoints import checkpoint_dir, commit_checkpoint, complete_checkpoints
 from olmo_run.driver import host_memory
+from olmo_run.errors import TrainingDivergedError
+from olmo_run.metrics import TRAIN_KEYS, read_metrics
 from olmo_run.recipe import RecipeError, load_recipe
-from olmo_run.runlog import (
-    TRAIN_KEYS,
-    TrainingDivergedError,
-    checkpoint_dir,
-    commit_checkpoint,
-    complete_checkpoints,
-    read_metrics,
-)
 from olmo_run.sinks import check_sinks, scalars
 
 STEPS = 6

@@ -7,16 +7,11 @@ import pytest
 import yaml
 
 from olmo_model import get_preset
+from olmo_run.checkpoints import commit_checkpoint, complete_checkpoints, prune_checkpoints, training_meta
+from olmo_run.errors import TrainingStateError
 from olmo_run.recipe import RecipeError, batch_layout, load_recipe
-from olmo_run.runlog import (
-    SpikeGuard,
-    TrainingStateError,
-    check_meta_fits,
-    commit_checkpoint,
-    complete_checkpoints,
-    prune_checkpoints,
-    training_meta,
-)
+from olmo_run.resume import check_meta_fits
+from olmo_run.spike_guard import SpikeGuard
 
 
 def test_yaml_and_overrides(tmp_path):

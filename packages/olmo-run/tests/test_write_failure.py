@@ -17,15 +17,11 @@ from typing import Any
 import pytest
 
 from olmo_run import StepResult, plan_run, run
+from olmo_run.checkpoints import checkpoint_dir, commit_checkpoint, complete_checkpoints
 from olmo_run.cli import EXIT_WRITE_FAILED, INPUT_ERRORS, run_cli
-from olmo_run.runlog import (
-    SpikeGuard,
-    checkpoint_dir,
-    commit_checkpoint,
-    complete_checkpoints,
-    os_error_code,
-    read_metrics,
-)
+from olmo_run.metrics import read_metrics
+from olmo_run.spike_guard import SpikeGuard
+from olmo_run.write_failure import os_error_code
 
 FULL_AT = 3
 ARGS = [

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from olmo_model import fp32_mean_tolerance
-from olmo_run.runlog import read_metrics
+from olmo_run.metrics import read_metrics
 
 DEFAULTS = [
     "--model=tiny-moe",

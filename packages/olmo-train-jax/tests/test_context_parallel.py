@@ -64,8 +64,8 @@ def _measure(memory_seq: int | None = None) -> dict:
 
     from olmo_model import get_preset, reference
     from olmo_model.context import ContextLayout
+    from olmo_run.checkpoints import checkpoint_dir
     from olmo_run.recipe import RecipeError, load_recipe
-    from olmo_run.runlog import checkpoint_dir
     from olmo_train_jax import model_from_hf
     from olmo_train_jax import sharding as sh
     from olmo_train_jax.causal_attention import context_block

@@ -36,7 +36,7 @@ import pytest
 from test_train import run_subprocess, train_losses, write_mixture
 
 from olmo_model import get_preset, layout_loss_tolerance
-from olmo_run.runlog import TRAIN_KEYS, read_metrics
+from olmo_run.metrics import TRAIN_KEYS, read_metrics
 from olmo_train_jax.cli import main
 
 STEPS = 8

@@ -27,8 +27,9 @@ import pytest
 from test_train import run_subprocess, write_mixture
 
 from olmo_model import get_preset, layout_loss_tolerance
+from olmo_run.checkpoints import complete_checkpoints
+from olmo_run.metrics import read_metrics
 from olmo_run.recipe import RecipeError
-from olmo_run.runlog import complete_checkpoints, read_metrics
 from olmo_train_jax import sharding
 from olmo_train_jax.cli import main
 

@@ -50,9 +50,10 @@ from test_train import _documents
 
 from olmo_data import MixtureLoader, load_mixture
 from olmo_model import layout_loss_tolerance
+from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.driver import SHARED_CHECK_FILE, check_shared_run_dir
+from olmo_run.metrics import read_metrics
 from olmo_run.recipe import RecipeError, load_recipe
-from olmo_run.runlog import complete_checkpoints, read_metrics
 from olmo_train_jax import sharding
 
 STEPS = 6

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from cli_checks import full_disk_then_rerun
 
-from olmo_run.runlog import checkpoint_dir
+from olmo_run.checkpoints import checkpoint_dir
 from olmo_train_jax.cli import main
 from olmo_train_jax.train import JaxTrainModule
 

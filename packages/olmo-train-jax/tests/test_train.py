@@ -21,8 +21,9 @@ import pytest
 from ranks import run_cli_forked
 
 from olmo_model import layout_loss_tolerance
+from olmo_run.checkpoints import complete_checkpoints, read_meta
+from olmo_run.metrics import read_metrics
 from olmo_run.recipe import load_recipe
-from olmo_run.runlog import complete_checkpoints, read_meta, read_metrics
 from olmo_train_jax.cli import main
 
 STEPS = 20

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from olmo_model import get_preset
 from olmo_run.recipe import Recipe, batch_layout
-from olmo_run.runlog import SpikeGuard
+from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch.parallelize import Distributed, build_mesh
 from olmo_train_torch.train import make_optimizer, start_model, train_step
 

@@ -40,7 +40,7 @@ import torch
 
 from olmo_model import flops_per_token, get_preset, hf_config, param_counts
 from olmo_run.recipe import batch_layout, load_recipe
-from olmo_run.runlog import SpikeGuard
+from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch import build_model, to_hf
 from olmo_train_torch.parallelize import Distributed, parallelize
 from olmo_train_torch.train import make_optimizer, measure_cpu_matmul_peak, train_step

@@ -95,7 +95,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
 
     from olmo_model import reference
     from olmo_run.recipe import Recipe, batch_layout
-    from olmo_run.runlog import SpikeGuard
+    from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch.hf_adapter import model_from_hf
     from olmo_train_torch.parallelize import Distributed, build_context, build_mesh
     from olmo_train_torch.train import make_optimizer, start_model, train_step
@@ -355,7 +355,7 @@ def test_trainer_resumes_across_context_degrees(harness, tmp_path):
     ``layout_loss_tolerance`` of the uninterrupted CP = 4 run's, counted from the step-3
     checkpoint both resumed runs descend from (at most GLOBAL_BATCH x SEQ token losses a step; the
     held-out loss's own token count)."""
-    from olmo_run.runlog import checkpoint_dir
+    from olmo_run.checkpoints import checkpoint_dir
 
     mixture = harness.make_mixture(tmp_path / "mixture")
     spec_file = tmp_path / "spec.yaml"

@@ -4,7 +4,7 @@ bitwise equal, routing included (the per-expert token counts)."""
 
 from __future__ import annotations
 
-from olmo_run.runlog import complete_checkpoints
+from olmo_run.checkpoints import complete_checkpoints
 
 
 def test_moe_exact_resume_one_process(harness, mixture, tmp_path):

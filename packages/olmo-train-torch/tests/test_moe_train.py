@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from olmo_data import MixtureLoader
 from olmo_model import reference
 from olmo_run.recipe import batch_layout, load_recipe
-from olmo_run.runlog import SpikeGuard
+from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch import build_model, to_hf
 from olmo_train_torch.moe import moe_aux_losses
 from olmo_train_torch.parallelize import Distributed, parallelize

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from ranks import start_ranks
 
 from olmo_model import fp32_mean_tolerance, layout_loss_tolerance
+from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.recipe import RecipeError, batch_layout, load_recipe
-from olmo_run.runlog import SpikeGuard, complete_checkpoints
+from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch.model import build_model
 from olmo_train_torch.moe import GroupedExperts, MoE
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh, check_parallel

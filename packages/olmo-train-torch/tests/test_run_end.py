@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmo_run.runlog import complete_checkpoints, read_meta
+from olmo_run.checkpoints import complete_checkpoints, read_meta
 
 
 def _divergent_args(harness, mixture, run_dir: Path) -> list[str]:

@@ -24,7 +24,7 @@ import pytest
 from cli_checks import full_disk_then_rerun
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from olmo_run.runlog import checkpoint_dir
+from olmo_run.checkpoints import checkpoint_dir
 from olmo_train_torch.cli import main
 from olmo_train_torch.train import TorchTrainModule
 
@@ -85,7 +85,7 @@ def test_another_ranks_cut_short_file_is_one_line_too(tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from olmo_run.runlog import CheckpointWriteError
+    from olmo_run.errors import CheckpointWriteError
     from olmo_train_torch.checkpoint import _local_writer, _save_failure
 
     ckpt = checkpoint_dir(tmp_path, FAIL_AT)

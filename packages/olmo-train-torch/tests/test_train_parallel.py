@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 
 from olmo_model import layout_loss_tolerance
-from olmo_run.runlog import checkpoint_dir
+from olmo_run.checkpoints import checkpoint_dir
 
 
 def test_four_processes_match_one_then_resume_on_two(harness, mixture, one_process_run, tmp_path):

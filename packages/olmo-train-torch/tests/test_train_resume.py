@@ -9,7 +9,7 @@ trainer's, is the root tests/test_trainer_contract.py."""
 
 from __future__ import annotations
 
-from olmo_run.runlog import complete_checkpoints
+from olmo_run.checkpoints import complete_checkpoints
 
 STEPS, KILL_AT = 6, 3
 

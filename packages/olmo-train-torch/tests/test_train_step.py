@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from olmo_run.recipe import batch_layout, load_recipe
-from olmo_run.runlog import SpikeGuard
+from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch import build_model
 from olmo_train_torch.head_loss import head_loss_sums
 from olmo_train_torch.parallelize import Distributed

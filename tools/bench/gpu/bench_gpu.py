@@ -163,7 +163,7 @@ def cmd_torch(args) -> None:
 
     from olmo_model import flops_per_token, get_preset
     from olmo_run.recipe import batch_layout, load_recipe
-    from olmo_run.runlog import SpikeGuard
+    from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch import build_model
     from olmo_train_torch.parallelize import build_mesh, init_distributed
     from olmo_train_torch.train import make_optimizer, prepare_model, train_step
@@ -361,7 +361,7 @@ def run_cli(framework: str, args, logs: Path, timeout: float) -> dict:
     if proc.returncode or not metrics.exists():
         tail = [ln for ln in (logs / f"cli-{framework}.log").read_text().splitlines() if ln.strip()][-3:]
         return {"name": name, "error": f"exit {proc.returncode}: " + " | ".join(tail)[-600:]}
-    from olmo_run.runlog import read_metrics
+    from olmo_run.metrics import read_metrics
 
     lines = read_metrics(run_dir)
     train = [ln for ln in lines if ln["kind"] == "train"]
@@ -760,7 +760,7 @@ def _moe_model_torch_rows(args, spec) -> None:
     from torch.distributed.tensor import DTensor
 
     from olmo_run.recipe import batch_layout, load_recipe
-    from olmo_run.runlog import SpikeGuard
+    from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch.parallelize import build_mesh, init_distributed
     from olmo_train_torch.train import make_optimizer, start_model, train_step
 

@@ -15,7 +15,7 @@ RoutingMode = Literal["learned", "random", "uniform"]
 # a fixed equal split, systems benchmarks whose router gets no gradient and no aux loss.
 ROUTING_MODES: tuple[str, ...] = ("learned", "random", "uniform")
 
-# The MoE keys of a train line, after runlog.TRAIN_KEYS, in this order.
+# The MoE keys of a train line, after metrics.TRAIN_KEYS, in this order.
 MOE_KEYS = (
     "moe_tokens_per_expert",  # assignments per routed expert, summed over MoE layers
     "moe_rank_load_max_over_mean",  # the busiest expert-parallel rank's assignments over the mean

@@ -22,9 +22,9 @@ from typing import Any
 
 from olmo_data import DataError
 from olmo_model import SpecError, UnknownDeviceError
+from olmo_run.errors import RunDirWriteError, TrainingDivergedError, TrainingStateError
 from olmo_run.recipe import Recipe, RecipeError, load_recipe
 from olmo_run.recipe_help import recipe_help
-from olmo_run.runlog import RunDirWriteError, TrainingDivergedError, TrainingStateError
 
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
 from .preempt import EXIT_PREEMPTED, Preempted
@@ -43,7 +43,7 @@ EXIT_STATUSES = """Exit statuses:
 
 # Bad input, as opposed to a bug, whichever trainer reads it (each adds its own weight errors).
 INPUT_ERRORS: tuple[type[Exception], ...] = (RecipeError, SpecError, DataError, TrainingStateError, UnknownDeviceError)
-# A checkpoint or metrics write that failed mid-run (runlog.RunDirWriteError: a full disk, say).
+# A checkpoint or metrics write that failed mid-run (errors.RunDirWriteError: a full disk, say).
 EXIT_WRITE_FAILED = 5
 
 

@@ -15,7 +15,7 @@ The driver owns the rest:
   first write, refreshes its heartbeat from a thread and the loop, deletes it however the run ends; a
   run dir another live run holds is a one-line RecipeError), the run dir, the loop (LR from
   the recipe's schedule, step timing, the log / checkpoint / eval cadence, the console, the
-  train line of ``runlog.TRAIN_KEYS``), the spike guard's state, the finite-state check
+  train line of ``metrics.TRAIN_KEYS``), the spike guard's state, the finite-state check
   before every checkpoint, and the end of the run (final eval, summary table, loss plot),
   with the loader, console and checkpointer closed in ``finally`` so a save in flight is
   committed even when the loop raises.
@@ -40,28 +40,18 @@ from olmo_data import Mixture, MixtureLoader, open_training_mixture
 from olmo_data.digest import combine_digests, loader_rows, rows_digest
 from olmo_model import ModelSpec, flops_per_token, mfu
 from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
+from olmo_run.checkpoints import checkpoint_dir, training_meta
+from olmo_run.console import ProgressConsole, print_summary
 from olmo_run.init_source import InitSource, resolve_init
 from olmo_run.lock import RunLock
 from olmo_run.lock import acquire as acquire_run_lock
+from olmo_run.metrics import TRAIN_KEYS, MetricsLog, eval_logged, final_eval_pending, plot_loss
 from olmo_run.preempt import Preempted, PreemptionWatch
 from olmo_run.recipe import BatchLayout, Recipe, RecipeError, batch_layout
-from olmo_run.runlog import (
-    TRAIN_KEYS,
-    MetricsLog,
-    ProgressConsole,
-    SpikeGuard,
-    checkpoint_dir,
-    eval_logged,
-    final_eval_pending,
-    find_resume,
-    plot_loss,
-    prepare_run_dir,
-    print_summary,
-    refuse_non_finite_state,
-    training_meta,
-    write_atomic,
-)
+from olmo_run.resume import find_resume
+from olmo_run.run_dir import prepare_run_dir, write_atomic
 from olmo_run.sinks import open_sinks
+from olmo_run.spike_guard import SpikeGuard, refuse_non_finite_state
 from olmo_run.storage import RunPath, URLPath, backend, local_copy
 
 # Process 0's marker in the run dir while the processes check that they share it.

@@ -12,7 +12,7 @@ and the data order still start at 0: a new stage has a new schedule and mixture)
 
 Each trainer calls ``resolve_init`` during its start-up checks, before anything is written, and
 then loads the weights in its own format. A checkpoint of ours is first verified against the
-file checksums in its meta.json (``runlog.verify_checkpoint``). It must have the same parameters
+file checksums in its meta.json (``checkpoints.verify_checkpoint``). It must have the same parameters
 (names and shapes) as the recipe's model; spec fields that change no parameter (RoPE/YaRN, context
 length, window) may differ, which is how stage 3 adds YaRN. A checkpoint of the other
 framework is refused with the olmo-convert command that turns it into one of this framework.
@@ -32,8 +32,9 @@ from olmo_model.hf import hf_param_shapes, spec_from_hf_config
 from olmo_model.presets import SpecError
 from olmo_model.spec import ModelSpec
 
+from .checkpoints import complete_checkpoints, read_meta, read_verified_meta
+from .errors import CheckpointDamagedError, TrainingStateError
 from .recipe import Recipe, RecipeError
-from .runlog import CheckpointDamagedError, TrainingStateError, complete_checkpoints, read_meta, read_verified_meta
 from .storage import RunPath, URLPath, backend, run_path
 
 HF_PREFIX = "hf:"

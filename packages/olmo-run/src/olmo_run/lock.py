@@ -51,7 +51,7 @@ from typing import Any
 
 from olmo_data.fileio import StorageError
 from olmo_run.recipe import RecipeError
-from olmo_run.runlog import write_atomic
+from olmo_run.run_dir import write_atomic
 from olmo_run.storage import RunPath, backend
 
 RUN_LOCK_FILE = "RUN_LOCK"

@@ -1,7 +1,14 @@
-"""Run dirs on object storage: the URL backend of ``olmo_run.storage``, over ``olmo_data.fileio``.
+"""The run dir: its recipe, spec and recipe history (``prepare_run_dir``), atomic writes into it,
+and run dirs on object storage (the URL backend of ``olmo_run.storage``, over ``olmo_data.fileio``).
 
-olmo-model's run-log code (``olmo_run.runlog``: the run dir, checkpoint listing, commit,
-verification, pruning, clean-up, resume, metrics) names paths as ``Path`` or
+    RUN/recipe.yaml        the resolved recipe the run started with
+    RUN/recipe_history.jsonl  per resume that changed keys: {"step", "changes": {key: [old, new]}, "recipe"}
+    RUN/spec.json          the resolved ModelSpec
+    RUN/metrics.jsonl      ``olmo_run.metrics``; RUN/loss.png its plot
+    RUN/checkpoints/       ``olmo_run.checkpoints``
+
+The run-dir code (this module, ``olmo_run.checkpoints``, ``olmo_run.resume``, ``olmo_run.metrics``)
+names paths as ``Path`` or
 ``storage.URLPath`` and leaves the file operations to a backend; importing this module (which
 ``olmo_run`` does) serves ``gs://`` and ``s3://`` with fileio, so both trainers, olmo-convert
 and the driver share one implementation for local and remote run dirs.
@@ -23,12 +30,16 @@ Credentials, or ``STORAGE_EMULATOR_HOST`` for an emulator.
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
+
+import yaml
 
 from olmo_data import fileio
+from olmo_model.spec import ModelSpec
 from olmo_run import storage
-from olmo_run.storage import RunPath, URLPath, is_url, run_path
-
-__all__ = ["FileioBackend", "RunPath", "URLPath", "check_reachable", "is_url", "run_path", "storage_error"]
+from olmo_run.recipe import Recipe
+from olmo_run.storage import RunPath, URLPath, backend, local_copy
 
 
 class FileioBackend:
@@ -89,3 +100,83 @@ def check_reachable(run_dir: RunPath) -> None:
     slower start-up checks, not at the first checkpoint. A local run dir has nothing to probe."""
     if isinstance(run_dir, URLPath):
         fileio.listdir(str(run_dir))
+
+
+def write_atomic(path: RunPath, text: str) -> None:
+    """All of ``text`` under ``path`` or what was there before: locally a temp file renamed into
+    place, on object storage one PUT (an object is published only once complete)."""
+    backend(path).write_text(str(path), text)
+
+
+def _exists(path: RunPath) -> bool:
+    return backend(path).exists(str(path))
+
+
+def _read_text(path: RunPath) -> str:
+    return backend(path).read_bytes(str(path)).decode()
+
+
+def _write_run_file(run_dir: RunPath, name: str, text: str) -> None:
+    """A small file of the run dir; for a URL run dir also into its local copy."""
+    write_atomic(run_dir / name, text)
+    if isinstance(run_dir, URLPath):
+        local = local_copy(run_dir)
+        local.mkdir(parents=True, exist_ok=True)
+        write_atomic(local / name, text)
+
+
+RECIPE_HISTORY_FILE = "recipe_history.jsonl"
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def recipe_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list[Any]]:
+    """Dotted key -> [old, new] for every leaf that differs (a key only one side has included)."""
+    a, b = _flat(old), _flat(new)
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resumed_at: int | None = None) -> RunPath:
+    """Create the run dir and write the resolved recipe and spec (main process only).
+
+    A fresh run writes ``recipe.yaml``. A resumed run (``resumed_at``: the checkpoint's step)
+    keeps it as the record of what the run started with; the keys this launch changes (the
+    ones allowed to change: cadences, steps, anything ``checkpoint.allow_recipe_change`` let
+    through) are printed and appended with the step to ``recipe_history.jsonl``."""
+    run_dir = recipe.resolved_run_dir()
+    if is_main:
+        backend(run_dir).makedirs(str(run_dir))
+        recorded = run_dir / "recipe.yaml"
+        current = recipe.model_dump(mode="json")
+        if resumed_at is not None and _exists(recorded):
+            history = _read_history(run_dir)
+            effective = yaml.safe_load(history[-1]["recipe"]) if history else yaml.safe_load(_read_text(recorded))
+            changes = recipe_changes(effective or {}, current)
+            if changes:
+                for key, (old, new) in changes.items():
+                    print(f"recipe change at step {resumed_at}: {key}: {old!r} -> {new!r}", flush=True)
+                record = {"step": resumed_at, "changes": changes, "recipe": recipe.to_yaml()}
+                lines = [json.dumps(r) for r in [*history, record]]
+                # whole, never half a line
+                _write_run_file(run_dir, RECIPE_HISTORY_FILE, "\n".join(lines) + "\n")
+        else:  # a fresh start: its recipe, and no history of an earlier run's resumes
+            _write_run_file(run_dir, "recipe.yaml", recipe.to_yaml())
+            backend(run_dir).delete(str(run_dir / RECIPE_HISTORY_FILE))
+            if isinstance(run_dir, URLPath):
+                (local_copy(run_dir) / RECIPE_HISTORY_FILE).unlink(missing_ok=True)
+        _write_run_file(run_dir, "spec.json", spec.model_dump_json(indent=2))
+    return run_dir
+
+
+def _read_history(run_dir: RunPath) -> list[dict[str, Any]]:
+    path = run_dir / RECIPE_HISTORY_FILE
+    if not _exists(path):
+        return []
+    return [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]

@@ -1,6 +1,6 @@
 """Run-dir paths that may be URLs (docs/design.md, contract 8), for the run-log code in this package.
 
-olmo-model depends on no storage client, so the run-log helpers (``olmo_run.runlog``,
+olmo-model depends on no storage client, so the run-dir helpers (``olmo_run.checkpoints``, ``olmo_run.metrics``,
 ``olmo_run.init_source``) do their file operations through a small backend chosen per path:
 
 - a local path (a ``Path``, or a string without a scheme, or ``file://``) goes to the local
@@ -127,7 +127,7 @@ class Backend(Protocol):
 
 class LocalBackend:
     """The local file system. ``write_text`` writes ``.NAME.tmp-PID`` beside the file and renames
-    it into place (``runlog.clean_orphans`` removes such temporaries of dead processes)."""
+    it into place (``checkpoints.clean_orphans`` removes such temporaries of dead processes)."""
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

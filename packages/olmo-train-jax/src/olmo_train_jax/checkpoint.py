@@ -1,14 +1,14 @@
 """Orbax checkpoints of the JAX trainer, in the run-dir layout both trainers share.
 
     RUN/checkpoints/step_00000050/state/   Orbax: {"params", "opt_state", "step"} (sharded arrays)
-    RUN/checkpoints/step_00000050/meta.json  olmo_run.runlog.training_meta + spike guard, layout
+    RUN/checkpoints/step_00000050/meta.json  olmo_run.checkpoints.training_meta + spike guard, layout
 
 Saving: Orbax copies the arrays to host memory and returns; the files are written in the
 background when ``checkpoint.async_save``. A checkpoint only counts once ``meta.json`` exists,
 and that is written by a commit thread after Orbax reports the save finished (with the size
-and sha256 of every file, hashed on that thread: ``runlog.commit_checkpoint``), so a crash
+and sha256 of every file, hashed on that thread: ``checkpoints.commit_checkpoint``), so a crash
 mid-save leaves an incomplete directory that resume ignores (the next save of that step
-replaces it; ``runlog.clean_orphans`` removes older ones when the Checkpointer starts).
+replaces it; ``checkpoints.clean_orphans`` removes older ones when the Checkpointer starts).
 Restoring takes abstract arrays that carry the CURRENT mesh's shardings, so a checkpoint
 written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
 
@@ -32,7 +32,7 @@ previous checkpoint the latest.
 
 A save that fails (a full disk: TensorStore's "No space left on device [os_error_code='28']")
 stops the run before its next step: ``poll``, called after every step, raises the background
-save's failure as soon as it is known, as a one-line ``runlog.CheckpointWriteError`` naming the
+save's failure as soon as it is known, as a one-line ``errors.CheckpointWriteError`` naming the
 checkpoint and the OS's reason (exit status 5). Orbax's own ERROR records of that failure, each
 with a traceback, and TensorStore's late callbacks to the failed save's closed event loop are
 logged at DEBUG instead (``_OrbaxBackgroundErrors``, ``_closed_loop_callbacks_to_debug``).
@@ -54,17 +54,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from olmo_run.checkpoints import checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
+from olmo_run.errors import TrainingStateError
 from olmo_run.run_dir import storage_error
-from olmo_run.runlog import (
-    TrainingStateError,
-    checkpoint_dir,
-    checkpoint_write_failure,
-    clean_orphans,
-    commit_checkpoint,
-    os_error_code,
-    prune_checkpoints,
-)
 from olmo_run.storage import RunPath, URLPath, backend, local_copy
+from olmo_run.write_failure import checkpoint_write_failure, os_error_code
 
 STATE_DIR = "state"
 STAGING_DIR = ".staging"  # in the local copy of an s3:// run dir: saves before their upload

@@ -60,8 +60,10 @@ from olmo_model import ModelSpec, resolve_device_kind
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 from olmo_run.decay import decay_group, group_weight_decay
 from olmo_run.driver import check_shared_run_dir
+from olmo_run.errors import TrainingStateError
+from olmo_run.metrics import perplexity
 from olmo_run.recipe import Recipe
-from olmo_run.runlog import SpikeGuard, TrainingStateError, perplexity
+from olmo_run.spike_guard import SpikeGuard
 from olmo_run.storage import RunPath
 
 from . import sharding

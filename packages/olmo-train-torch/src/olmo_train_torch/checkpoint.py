@@ -1,6 +1,6 @@
 """Checkpoints of the torch trainer: torch.distributed.checkpoint (DCP) + the shared meta.json.
 
-Layout of one checkpoint (``olmo_run.runlog`` owns the run dir around it)::
+Layout of one checkpoint (``olmo_run.checkpoints`` owns the run dir around it)::
 
     RUN/checkpoints/step_00000010/
         .metadata, __0_0.distcp, ...   DCP: {"model": ..., "optim": ...}, one file per rank
@@ -16,7 +16,7 @@ or on one process without a process group.
 With ``checkpoint.async_save`` the state is staged to CPU memory before ``save`` returns
 and written by a background thread (over its own gloo group, so its collectives never
 interleave with training's); rank 0 writes meta.json only when that write has finished,
-hashing the files first (``runlog.commit_checkpoint``).
+hashing the files first (``checkpoints.commit_checkpoint``).
 
 A run dir on ``gs://`` or ``s3://`` (``olmo_run.storage.URLPath``) is written and read by
 DCP's own fsspec storage writer and reader, on fileio's client for that URL (its endpoint and
@@ -52,17 +52,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from olmo_run.checkpoints import checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
+from olmo_run.errors import TrainingStateError
 from olmo_run.run_dir import storage_error
-from olmo_run.runlog import (
-    TrainingStateError,
-    checkpoint_dir,
-    checkpoint_write_failure,
-    clean_orphans,
-    commit_checkpoint,
-    os_error_code,
-    prune_checkpoints,
-)
 from olmo_run.storage import RunPath, URLPath, backend
+from olmo_run.write_failure import checkpoint_write_failure, os_error_code
 
 from .parallelize import Distributed
 

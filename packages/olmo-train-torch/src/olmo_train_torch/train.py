@@ -61,8 +61,9 @@ from olmo_model import ModelSpec, resolve_device_kind
 from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
 from olmo_run.decay import DECAY_GROUPS, decay_group, group_weight_decay
 from olmo_run.driver import check_shared_run_dir
+from olmo_run.metrics import perplexity
 from olmo_run.recipe import BatchLayout, Recipe
-from olmo_run.runlog import SpikeGuard, perplexity
+from olmo_run.spike_guard import SpikeGuard
 from olmo_run.storage import RunPath
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state

@@ -1,0 +1,77 @@
+"""What a run shows on the terminal: the progress bar (or plain lines) and the end-of-run summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .metrics import read_metrics
+from .storage import RunPath, local_copy
+
+
+class ProgressConsole:
+    """A rich progress bar on a terminal when log.progress (main process only), plain lines
+    otherwise. The bar starts at the first finished step, so start-up lines print plainly."""
+
+    def __init__(self, enabled: bool, is_main: bool, total: int, start: int):
+        import sys
+
+        self.is_main = is_main
+        self.enabled = enabled and is_main and sys.stderr.isatty()
+        self.total, self.start = total, start
+        self.progress: Any = None
+
+    def line(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, info: str) -> None:
+        if not self.enabled:
+            return
+        if self.progress is None:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
+            self.task = self.progress.add_task("train", total=self.total, completed=self.start, info="")
+            self.progress.start()
+        self.progress.update(self.task, advance=1, info=info)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def print_summary(run_dir: RunPath, title: str) -> None:
+    """A short table at the end of a run: first/last loss, held-out losses, throughput."""
+    from rich.table import Table
+
+    records = read_metrics(local_copy(run_dir))
+    train = [r for r in records if r.get("kind") == "train"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    if train:
+        table.add_row("steps", str(train[-1]["step"]))
+        table.add_row("first loss", f"{train[0]['loss']:.4f}")
+        table.add_row("last loss", f"{train[-1]['loss']:.4f}")
+        timed = train[1:] or train  # the first step includes compilation
+        tps = sum(r["tokens_per_second_per_device"] for r in timed) / len(timed)
+        table.add_row("tokens/s/device (mean, excl. step 1)", f"{tps:,.0f}")
+        table.add_row("MFU (mean)", f"{sum(r['mfu'] for r in timed) / len(timed):.1%} of {train[-1]['mfu_peak']}")
+        table.add_row("skipped steps", str(sum(1 for r in train if r.get("skipped"))))
+    if evals:
+        for name, vals in evals[-1]["eval"].items():
+            table.add_row(f"held-out {name} loss / ppl", f"{vals['loss']:.4f} / {vals['perplexity']:.2f}")
+        if any(r.get("leakage_allowed") for r in evals):
+            table.add_row("held-out leakage", "ALLOWED (data.allow_leakage=true): held-out figures may be memorised")
