@@ -114,4 +114,4 @@ def test_moe_model_rows(dry_runs, trainer, experts, routings):
         assert r["tokens_per_s_vs_e8"] == pytest.approx(tps[(e, r["routing"])] / tps[(8, r["routing"])], rel=1e-12)
         assert all(loss == loss and 7.0 < loss < 10.0 for loss in r["losses"])  # ln(4096) = 8.32 at init
         if trainer == "jax":
-            assert r["gemm"] == "tiled"  # moe.gemm_backend's choice on CPU for gemm=auto
+            assert r["gemm"] == "tiled"  # grouped_gemm.gemm_backend's choice on CPU for gemm=auto

@@ -1,6 +1,6 @@
 """One layer's causal attention on CPU, forward and forward + backward: the JAX trainer's
 ``blocked_causal_attention`` with all batch rows at once (``batch_loop=0``, what GPU/TPU run)
-and one row at a time (``batch_loop=1``, what ``model.attention`` runs on XLA:CPU on one
+and one row at a time (``batch_loop=1``, what ``causal_attention.attention`` runs on XLA:CPU on one
 device), next to torch's ``scaled_dot_product_attention`` (is_causal) on the same numbers.
 A benchmark script, not a test.
 

@@ -47,7 +47,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from olmo_model import MoESpec  # noqa: E402
 from olmo_train_jax.expert_parallel import EXPERT_AXIS, expert_parallel_experts  # noqa: E402
-from olmo_train_jax.moe import ExpertWeights, local_experts, moe_block  # noqa: E402
+from olmo_train_jax.grouped_gemm import ExpertWeights  # noqa: E402
+from olmo_train_jax.moe import local_experts, moe_block  # noqa: E402
 
 D_MODEL, HIDDEN, TOP_K = 128, 64, 4
 EP = 4

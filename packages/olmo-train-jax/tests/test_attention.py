@@ -22,8 +22,14 @@ from transformers import Olmo3Config, Olmo3ForCausalLM
 
 from olmo_model import FULL, SLIDING, get_preset, hf_config, reference
 from olmo_train_jax import model_from_hf
-from olmo_train_jax.causal_attention import blocked_causal_attention, query_block
-from olmo_train_jax.model import _blocked_local_attention, _blocking_pays, attention, scan_period
+from olmo_train_jax.causal_attention import (
+    _blocked_local_attention,
+    _blocking_pays,
+    attention,
+    blocked_causal_attention,
+    query_block,
+)
+from olmo_train_jax.model import scan_period
 
 jax.config.update("jax_enable_x64", False)
 

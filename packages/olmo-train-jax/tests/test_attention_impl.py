@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_train_jax.model import attention
+from olmo_train_jax.causal_attention import attention
 
 ON_GPU = jax.default_backend() == "gpu"
 

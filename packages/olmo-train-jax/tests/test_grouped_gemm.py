@@ -1,4 +1,4 @@
-"""The JAX MoE block's grouped GEMM backends (moe.grouped_swiglu's ``gemm``).
+"""The JAX MoE block's grouped GEMM backends (grouped_gemm.grouped_swiglu's ``gemm``).
 
 ``grouped_matmul_vjp`` wires a forward kernel and a weight-gradient kernel into a
 differentiable grouped matmul (dx = forward(dy, w^T), dw = weight_grad(x, dy)). Its wiring is
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo_train_jax import moe
+from olmo_train_jax import grouped_gemm
 
 
 def _problem(seed: int, sizes, n_rows: int, d_in=128, d_out=256, dtype=jnp.float32):
@@ -39,7 +39,7 @@ def _value_and_grads(matmul, x, w, sizes, dy):
 @pytest.mark.parametrize("sizes,n_rows", [([5, 0, 17, 10], 32), ([3, 9, 0, 4], 20)])
 def test_vjp_wiring_matches_ragged_dot_autodiff(sizes, n_rows):
     x, w, sizes, dy = _problem(0, sizes, n_rows)
-    ours = _value_and_grads(moe.grouped_matmul_vjp(moe.reference_kernels()), x, w, sizes, dy)
+    ours = _value_and_grads(grouped_gemm.grouped_matmul_vjp(grouped_gemm.reference_kernels()), x, w, sizes, dy)
     ref = _value_and_grads(jax.lax.ragged_dot, x, w, sizes, dy)
     for name, a, b in zip(("y", "dx", "dw"), ours, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
@@ -49,18 +49,18 @@ def test_vjp_wiring_matches_ragged_dot_autodiff(sizes, n_rows):
 
 
 def test_auto_backend_on_cpu_is_tiled():
-    assert jax.default_backend() != "cpu" or moe.gemm_backend(jnp.bfloat16, 2048, 1024) == "tiled"
+    assert jax.default_backend() != "cpu" or grouped_gemm.gemm_backend(jnp.bfloat16, 2048, 1024) == "tiled"
 
 
 def test_unknown_backend_fails():
     x, w, sizes, _ = _problem(0, [4, 4], 8)
-    ew = moe.ExpertWeights(w, w, jnp.swapaxes(w, 1, 2))
+    ew = grouped_gemm.ExpertWeights(w, w, jnp.swapaxes(w, 1, 2))
     with pytest.raises(ValueError, match="gemm='cutlass' is unknown"):
-        moe.grouped_swiglu(x, ew, sizes, gemm="cutlass")
+        grouped_gemm.grouped_swiglu(x, ew, sizes, gemm="cutlass")
 
 
 def _hopper() -> bool:
-    return jax.default_backend() == "gpu" and moe._is_hopper(jax.devices()[0])
+    return jax.default_backend() == "gpu" and grouped_gemm._is_hopper(jax.devices()[0])
 
 
 @pytest.mark.skipif(not _hopper(), reason="JAX's Mosaic GPU grouped-GEMM kernels need a Hopper GPU")
@@ -68,7 +68,7 @@ def test_mgpu_kernels_match_ragged_dot_on_hopper():
     # The MoE shape family of the benchmark, with an empty group and uneven groups.
     sizes = [700, 0, 1500, 33, 4000, 1959, 96, 1904]
     x, w, sizes, dy = _problem(1, sizes, 10192, d_in=512, d_out=256, dtype=jnp.bfloat16)
-    ours = jax.jit(lambda x, w, s, dy: _value_and_grads(moe.mgpu_grouped_matmul, x, w, s, dy))(x, w, sizes, dy)
+    ours = jax.jit(lambda x, w, s, dy: _value_and_grads(grouped_gemm.mgpu_grouped_matmul, x, w, s, dy))(x, w, sizes, dy)
     x32, w32, dy32 = (t.astype(jnp.float32) for t in (x, w, dy))
     ref = jax.jit(lambda x, w, s, dy: _value_and_grads(jax.lax.ragged_dot, x, w, s, dy))(x32, w32, sizes, dy32)
     for name, a, b in zip(("y", "dx", "dw"), ours, ref):

@@ -46,7 +46,8 @@ def _measure() -> dict:
         expert_parallel_experts,
         expert_partition_spec,
     )
-    from olmo_train_jax.moe import ExpertWeights, aux_loss, local_experts, moe_block
+    from olmo_train_jax.grouped_gemm import ExpertWeights
+    from olmo_train_jax.moe import aux_loss, local_experts, moe_block
 
     assert jax.device_count() == 4, jax.devices()
     spec = get_preset("tiny-moe")

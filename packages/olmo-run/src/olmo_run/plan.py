@@ -36,7 +36,7 @@ Context parallelism (``jax.mesh.context`` / ``torch.context_parallel`` = C): one
 over C devices, so the data-parallel size is devices / C (x the other model axes), each device holds
 S / C tokens of its rows (activations, head + loss), and the state is sharded as without it (the
 JAX trainer keeps the context axis out of the parameter placement; torch's FSDP spans the world).
-The attention is the JAX trainer's context kernel (``olmo_train_jax.causal_attention``): one query
+The attention is the JAX trainer's context kernel (``olmo_train_jax.context_parallel``): one query
 block's fp32 scores at a time (``CONTEXT_SCORE_BYTES``, a few copies in the backward) instead of the
 blocked kernel's S x S, plus the K/V exchange of one global layer (``KV_EXCHANGE_BYTES``: the
 gathered bf16 K and V and their fp32 gradient accumulators over the whole sequence); sliding layers
@@ -174,7 +174,7 @@ def _torch_head_phase(
 JAX_ATTENTION_SCORES = 1.5
 
 
-# The JAX context kernel's fp32 scores of one query block (olmo_train_jax.causal_attention
+# The JAX context kernel's fp32 scores of one query block (olmo_train_jax.context_parallel
 # CONTEXT_BLOCK_BYTES), of which the backward holds the scores, the probabilities and their gradient.
 CONTEXT_SCORE_BYTES = 3 * 256 * 2**20
 # Bytes per key and kv_width element of one global layer's K/V exchange under context parallelism:
@@ -192,7 +192,7 @@ def _context_terms(spec: ModelSpec, rows: int, seq: int, cp: int) -> tuple[float
 
 def jax_flash_attention(recipe: Recipe, spec: ModelSpec) -> bool:
     """Whether the JAX step on a GPU runs cuDNN's fused (flash) attention, which keeps no S x S
-    scores: the conditions of ``olmo_train_jax.model.attention`` (``jax.attention`` auto or
+    scores: the conditions of ``olmo_train_jax.causal_attention.attention`` (``jax.attention`` auto or
     cudnn, bf16, no document mask, head_dim a multiple of 8 up to 256)."""
     return (
         recipe.jax.attention != "xla"

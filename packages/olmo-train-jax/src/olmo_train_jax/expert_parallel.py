@@ -15,7 +15,7 @@ One routed-expert call (``expert_parallel_experts``, under ``jax.shard_map``), p
 2. dispatch: one ``jax.lax.all_to_all`` over ``expert`` sends each run to its rank, with the
    local expert id of every row;
 3. the receiver sorts what it got by local expert and runs the grouped SwiGLU
-   (``moe.grouped_swiglu``: ``jax.lax.ragged_dot``, or one-expert tiles on CPU) over its
+   (``grouped_gemm.grouped_swiglu``: ``jax.lax.ragged_dot``, or one-expert tiles on CPU) over its
    E/ep experts;
 4. combine: the reverse ``all_to_all`` returns the outputs to the token's device, which
    unsorts them and adds the k weighted outputs per token.
@@ -38,8 +38,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .grouped_gemm import ExpertWeights, grouped_swiglu
 from .model import OlmoModel
-from .moe import ExpertsFn, ExpertWeights, combine, grouped_swiglu, local_experts, sort_by_expert
+from .moe import ExpertsFn, combine, local_experts, sort_by_expert
 
 EXPERT_AXIS = "expert"
 # Mesh axes that split tokens; the expert axis is one of them (its ranks hold different
@@ -99,7 +100,7 @@ def _ep_local(
 
 def expert_parallel_experts(mesh: Mesh, *, mxfp8: bool = False, gemm: str = "auto") -> ExpertsFn:
     """An ``ExpertsFn`` that runs the routed experts split over ``mesh``'s ``expert`` axis
-    (``mxfp8``: the MXFP8 emulation of ``moe.grouped_swiglu``; ``gemm``: its grouped GEMM).
+    (``mxfp8``: the MXFP8 emulation of ``grouped_gemm.grouped_swiglu``; ``gemm``: its grouped GEMM).
     Without one (or with size 1) there is no all-to-all: each device computes its own
     tokens with all experts, which is still what a data-parallel mesh wants, since the
     global-view ``local_experts`` would sort the tokens of every device together."""
@@ -157,7 +158,7 @@ def _local_with_count(
 def apply_expert_parallel(model: OlmoModel, mesh: Mesh, *, mxfp8: bool = False, gemm: str = "auto") -> None:
     """Make ``model``'s MoE layers run their routed experts under ``mesh`` (over its expert
     axis when it has one; ``mxfp8``: emulated MXFP8 expert matmuls; ``gemm``: the grouped
-    GEMM, ``moe.grouped_swiglu``'s, the recipe's ``jax.moe_gemm``); call before ``nnx.split``
+    GEMM, ``grouped_gemm.grouped_swiglu``'s, the recipe's ``jax.moe_gemm``); call before ``nnx.split``
     so the graphdef carries it."""
     if model.spec.moe is None:
         raise ValueError(f"spec '{model.spec.name}' has no moe section; expert parallelism needs an MoE spec")

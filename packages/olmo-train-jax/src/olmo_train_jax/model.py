@@ -9,7 +9,7 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
   (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
 - RoPE in the rotate-half layout, inverse frequencies in float32 as transformers computes
   them; YaRN (with its attention factor on cos/sin) on full_attention layers only;
-- GQA; causal attention (``attention``: ``causal_attention.blocked_causal_attention`` for
+- GQA; causal attention (``causal_attention.attention``: ``blocked_causal_attention`` for
   global and short sliding layers, the O(S W) blocked local path for long sliding ones),
   with the sliding window of that layer (static per layer, see below) and, optionally,
   document boundaries;
@@ -27,11 +27,11 @@ Inside the scanned body the P layers are unrolled, so each layer's attention kin
 length, RoPE or YaRN table) is STATIC: attention picks its kernel at trace time (causal
 without a mask array, a blocked local window, or a dense static mask) instead of masking
 S x S scores with data. Compile time stays flat in depth (one period is traced), and the
-layer axis is a plain array axis that a sharding module can leave replicated or split
+layer axis is a plain array axis that the parallelize module can leave replicated or split
 without touching this file.
 
-Attention (``attention``): global layers, and sliding layers whose window covers most of the
-sequence, run ``causal_attention.blocked_causal_attention`` (query blocks that skip the keys
+Attention (``causal_attention.attention``): global layers, and sliding layers whose window
+covers most of the sequence, run ``causal_attention.blocked_causal_attention`` (query blocks that skip the keys
 above the diagonal or outside the window, a flash-style backward; never an S x S array); a
 sliding window W much shorter than S runs the blocked local path: query blocks of W positions
 attend to the keys of their own and the previous block under one static band mask, O(S W)
@@ -40,7 +40,7 @@ to its document on either path. On GPU with bf16 activations and no document mas
 ``jax.attention=auto`` (the default) runs cuDNN's fused flash attention instead (``cudnn``
 forces it, ``xla`` forbids it); every other case runs the XLA paths above. Under context
 parallelism (``OlmoModel.context`` set by the trainer) every layer runs
-``causal_attention.context_attention`` instead, over a sequence whose columns are in the zigzag
+``context_parallel.context_attention`` instead, over a sequence whose columns are in the zigzag
 layout's order; the caller passes each column's true position, which RoPE/YaRN and the masks use.
 
 Linear weights are (in, out) kernels, the JAX convention; ``hf_adapter`` transposes to and
@@ -49,7 +49,7 @@ the forward casts each layer's weights to the compute ``dtype`` as the scan reac
 RMSNorm and RoPE compute in float32; logits come back in float32. Given labels, the model
 returns the loss sums instead of the logits (``OlmoModel.__call__``): the output head and the
 loss run fused over chunks of positions (``head_loss``), so a training step never holds the
-full [tokens, vocab] logits. This module holds no sharding: a trainer's sharding module places
+full [tokens, vocab] logits. This module holds no sharding: a trainer's parallelize module places
 the parameters from outside.
 """
 
@@ -69,10 +69,12 @@ from olmo_model.moe import check_routing
 from olmo_model.output import ModelOutput
 from olmo_model.rope import rope_inv_freq
 
-from .causal_attention import ContextSetup, blocked_causal_attention, context_attention
+from .causal_attention import ATTENTION_IMPLS, attention
+from .context_parallel import ContextParallel, context_attention
+from .grouped_gemm import ExpertWeights
 from .head_loss import head_loss_sums
 from .layers import linear, rms_norm, swiglu_down
-from .moe import ExpertsFn, ExpertWeights, MoEStats, local_experts, moe_block
+from .moe import ExpertsFn, RoutingStats, local_experts, moe_block
 from .precision import matmul_precision
 
 # "none": keep every activation; "block": keep only each layer's input and recompute the
@@ -118,118 +120,6 @@ def scan_period(layer_types: tuple[str, ...]) -> int:
     return next(
         p for p in range(1, n + 1) if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n))
     )
-
-
-def _blocking_pays(seq_len: int, window: int) -> bool:
-    """Blocked local attention scores 2W keys per query (over S padded to a multiple of W), the
-    dense path S keys; blocking also costs padding and a 2x copy of k/v, so it is taken only
-    where it at least halves the scores (roughly S >= 4W)."""
-    padded = -(-seq_len // window) * window
-    return 4 * padded * window <= seq_len * seq_len
-
-
-def _same_document(doc_q: jax.Array, doc_k: jax.Array) -> jax.Array:
-    """[..., Tq], [..., Tk] -> [..., 1, Tq, Tk]: a query may see a key of its own document."""
-    return (doc_q[..., :, None] == doc_k[..., None, :])[..., None, :, :]
-
-
-def _local_band(n_blocks: int, window: int) -> np.ndarray:
-    """[n_blocks, 1, W, 2W] static mask of the blocked path: query block i (positions iW + a)
-    against the keys of blocks i-1 and i (positions (i-1)W + b), allowed where the distance
-    is in [0, W) and the key exists (block 0 has no previous block: its keys are padding)."""
-    a = np.arange(window)[:, None]
-    b = np.arange(2 * window)[None, :]
-    distance = window + a - b
-    band = (distance >= 0) & (distance < window)
-    key_pos = (np.arange(n_blocks)[:, None, None] - 1) * window + b[None]
-    return (band[None] & (key_pos >= 0))[:, None]
-
-
-def _blocked_local_attention(q, k, v, window: int, doc_ids: jax.Array | None) -> jax.Array:
-    """Sliding-window causal attention in O(S W): q [B, S, N, H], k/v [B, S, K, H]."""
-    B, S, N, H = q.shape
-    n_blocks = -(-S // window)
-    pad = n_blocks * window - S
-
-    def key_blocks(x: jax.Array, fill) -> jax.Array:
-        # [B, S, ...] -> [B, n_blocks, 2W, ...]: each block's own keys behind the previous block's.
-        widths = [(0, 0), (window, pad)] + [(0, 0)] * (x.ndim - 2)
-        x = jnp.pad(x, widths, constant_values=fill).reshape(B, n_blocks + 1, window, *x.shape[2:])
-        return jnp.concatenate([x[:, :-1], x[:, 1:]], axis=2)
-
-    def query_blocks(x: jax.Array) -> jax.Array:
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        return jnp.pad(x, widths).reshape(B, n_blocks, window, *x.shape[2:])
-
-    qb = query_blocks(q).reshape(B * n_blocks, window, N, H)
-    kb = key_blocks(k, 0).reshape(B * n_blocks, 2 * window, *k.shape[2:])
-    vb = key_blocks(v, 0).reshape(B * n_blocks, 2 * window, *v.shape[2:])
-    mask = jnp.asarray(_local_band(n_blocks, window))[None]  # [1, n_blocks, 1, W, 2W]
-    if doc_ids is not None:
-        mask = mask & _same_document(query_blocks(doc_ids), key_blocks(doc_ids, -1))
-    mask = jnp.broadcast_to(mask, (B, n_blocks, 1, window, 2 * window)).reshape(B * n_blocks, 1, window, 2 * window)
-    out = jax.nn.dot_product_attention(qb, kb, vb, mask=mask, implementation=None)
-    return out.reshape(B, n_blocks * window, N, H)[:, :S]
-
-
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
-
-
-def _cudnn_attention_problem(q: jax.Array, doc_ids: jax.Array | None, platform: str) -> str | None:
-    """Why cuDNN's fused attention cannot run this call (None: it can)."""
-    if platform != "gpu":
-        return f"the backend is {platform}, not gpu"
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"activations are {q.dtype} (cuDNN's fused attention takes bf16/fp16: train.precision=bf16)"
-    if doc_ids is not None:
-        return "document masking is on (train.document_masking; cuDNN's path here has no segment mask)"
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
-        return f"head_dim {q.shape[-1]} is not a multiple of 8 up to 256"
-    return None
-
-
-def attention(
-    q,
-    k,
-    v,
-    window: int | None,
-    doc_ids: jax.Array | None = None,
-    impl: str = "xla",
-    batch_shards: int = 1,
-    platform: str | None = None,
-) -> jax.Array:
-    """Causal attention of one layer, its kind static: q [B, S, N, H], k/v [B, S, K, H] (GQA
-    when K < N), ``window`` the keys a query sees including itself (None: global), ``doc_ids``
-    [B, S] restricts each query to its document. Returns [B, S, N, H].
-
-    ``impl`` (the recipe's ``jax.attention``): ``cudnn`` runs cuDNN's fused flash attention
-    (``jax.nn.dot_product_attention(implementation="cudnn")``, causal with a left window for
-    sliding layers; GPU, bf16/fp16, no document mask); ``auto`` takes it where those hold and
-    the XLA path otherwise; ``xla``: global layers and short-sequence sliding layers run
-    ``blocked_causal_attention`` (query blocks that skip the keys above the diagonal / outside
-    the window, a backward that recomputes the probabilities; never an S x S array); sliding
-    layers with S >= ~4W the O(S W) blocked local path. Plain XLA compiles for any backend.
-    On XLA:CPU the blocked path loops over the batch rows, ``batch_shards`` (the devices the
-    batch axis is split over) at a time, which keeps one row's scores in cache
-    (``blocked_causal_attention(batch_loop=...)``); other backends take all rows at once.
-    ``platform``: the platform the step is compiled for (None: ``jax.default_backend()``)."""
-    S = q.shape[1]
-    platform = platform or jax.default_backend()
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"jax.attention='{impl}' is unknown; use one of: {', '.join(ATTENTION_IMPLS)}")
-    if impl != "xla":
-        problem = _cudnn_attention_problem(q, doc_ids, platform)
-        if problem is not None and impl == "cudnn":
-            raise ValueError(f"jax.attention=cudnn cannot run here: {problem}; set --jax.attention=auto or xla")
-        if problem is None:
-            local = None if window is None or window >= S else (window - 1, 0)
-            return jax.nn.dot_product_attention(
-                q, k, v, is_causal=True, local_window_size=local, implementation="cudnn"
-            )
-    if window is not None and window < S and _blocking_pays(S, window):
-        return _blocked_local_attention(q, k, v, window, doc_ids)
-    loop = batch_shards if platform == "cpu" else 0
-    return blocked_causal_attention(q, k, v, window, doc_ids, batch_loop=loop)
 
 
 class StackedLayers(nnx.Module):
@@ -281,14 +171,14 @@ class OlmoModel(nnx.Module):
     default keeps all experts local, ``expert_parallel.apply_expert_parallel`` swaps in the
     all-to-all version from outside. The trainer also sets, from the mesh and before
     ``nnx.split``: ``batch_shards``, how many devices the batch axis is split over (XLA:CPU
-    attention loops over the batch that many rows at a time, ``attention``, and the fused head's
+    attention loops over the batch that many rows at a time, ``causal_attention.attention``, and the fused head's
     chunks are sized for one device's rows); ``platform``, the
     platform of the devices the step is compiled for (None: ``jax.default_backend()``), which
     picks the attention path, since a step compiled ahead of time for a TPU topology on a CPU
     host must take the TPU path; ``hidden_sharding``, where the residual stream [B, S, d_model]
     lives between layers (None: wherever XLA's propagation puts it); ``context``, the
-    ``causal_attention.ContextSetup`` of a context-parallel mesh (None: no CP), with which every
-    layer's attention runs ``causal_attention.context_attention`` over the split sequence (the
+    ``context_parallel.ContextParallel`` of a context-parallel mesh (None: no CP), with which every
+    layer's attention runs ``context_parallel.context_attention`` over the split sequence (the
     caller then passes each column's true position) and the fused head walks each device's share
     of it."""
 
@@ -321,7 +211,7 @@ class OlmoModel(nnx.Module):
         self.batch_shards = 1
         self.platform: str | None = None
         self.hidden_sharding: jax.sharding.Sharding | None = None
-        self.context: ContextSetup | None = None
+        self.context: ContextParallel | None = None
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
         self.layers = StackedLayers(spec, rngs, param_dtype)
@@ -341,7 +231,7 @@ class OlmoModel(nnx.Module):
         """``ModelOutput``: float32 ``logits`` [B, S, padded_vocab] without ``labels``; with
         ``labels`` [B, S], ``loss_sums`` [ce + z_loss_weight * z, ce, z] instead, the output head
         and the loss run fused chunk by chunk (``head_loss.head_loss_sums``: the full logits never
-        exist, and only the first sum carries a gradient); ``moe``: the ``MoEStats`` over the MoE
+        exist, and only the first sum carries a gradient); ``moe``: the ``RoutingStats`` over the MoE
         layers (losses averaged, counts summed), None for a dense spec.
 
         ``doc_ids`` [B, S]: a query attends only to keys of its own document; positions are not
@@ -365,7 +255,7 @@ class OlmoModel(nnx.Module):
         routing: str = "learned",
         routing_key: jax.Array | None = None,
         positions: jax.Array | None = None,
-    ) -> tuple[jax.Array, MoEStats | None]:
+    ) -> tuple[jax.Array, RoutingStats | None]:
         """The decoder without its output head: the final-normed hidden states [B, S, d_model] in
         the compute dtype, and the MoE stats (None for a dense spec); arguments as for
         ``__call__``. What a caller that needs the residual stream itself takes (e.g. a memory
@@ -377,7 +267,7 @@ class OlmoModel(nnx.Module):
         if positions is not None and positions.shape != input_ids.shape[1:]:
             raise ValueError(f"positions shape {positions.shape} must be [seq] = {input_ids.shape[1:]}")
         if self.context is not None and positions is None:
-            raise ValueError("a context-parallel model needs positions (sharding.sequence_positions)")
+            raise ValueError("a context-parallel model needs positions (parallelize.sequence_positions)")
         check_routing(routing)
         if routing == "random" and routing_key is None:
             raise ValueError("routing='random' needs routing_key, e.g. jax.random.fold_in(jax.random.key(seed), step)")
@@ -464,7 +354,7 @@ class OlmoModel(nnx.Module):
         x = self._place(rms_norm(x, self.final_norm[...], spec.norm_eps, self.context is None))
         if per_layer is None:
             return x, None
-        stats = MoEStats(
+        stats = RoutingStats(
             load_balancing=jnp.mean(per_layer.load_balancing),
             router_z=jnp.mean(per_layer.router_z),
             tokens_per_expert=jnp.sum(per_layer.tokens_per_expert, axis=0),
