@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from olmo_model import param_counts
 from olmo_run.cli import INPUT_ERRORS, run_cli
-from olmo_run.dry_run import DryRunReport, parse_dry_run_args, print_report
+from olmo_run.dry_run import DryRunReport, dry_run_target, parse_dry_run_args, print_report
 from olmo_run.plan import GIB, make_plan
 from olmo_run.recipe import RecipeError, load_recipe
 
@@ -85,6 +86,38 @@ def test_report_json_has_the_planner_figure_and_the_exit_status_says_whether_it_
     assert print_report(recipe, _report(96 * GIB), as_json=False) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("does not fit: v5p:512 needs 96.00 GiB per device, HBM is 95.00 GiB")
+
+
+def test_a_dry_run_target_resolves_the_kind_lets_the_trainer_refuse_it_then_needs_the_sequence_length():
+    recipe = load_recipe(RECIPE, ["--train.sequence_length=4096"])
+    target = dry_run_target("torch", recipe, "NVIDIA H100 80GB HBM3", 64)
+    assert (target.peak.kind, target.seq, target.count, target.spec) == ("h100", 4096, 64, recipe.model_spec())
+    report = target.report(
+        devices=64,
+        mesh={"world": 64},
+        per_device_batch=1,
+        accumulation_steps=1,
+        peak_bytes_per_device=GIB,
+        hbm_bytes_per_device=80 * GIB,
+        memory_bytes={},
+        compile_seconds=1.0,
+        method="test",
+    )
+    assert (report.framework, report.device_kind) == ("torch", "h100")
+    # 6 N D for the matmul weights (the blocks and the output head; the embedding lookup is no
+    # matmul), plus attention's scores, which add 8% for the 7B's mostly sliding layers at 4096.
+    counts = param_counts(recipe.model_spec())
+    matmul_params = counts.non_embedding + counts.embedding // 2
+    assert report.model_flops_per_step == pytest.approx(6 * matmul_params * recipe.train.global_batch_tokens, rel=0.1)
+
+    def gpus_only(peak):
+        raise RecipeError(f"{peak.kind} refused")
+
+    unset = load_recipe(RECIPE, ["--train.sequence_length=null"])
+    with pytest.raises(RecipeError, match="v5p refused"):  # the kind first, before the recipe is read
+        dry_run_target("torch", unset, "v5p", 8, gpus_only)
+    with pytest.raises(RecipeError, match="--dry-run needs train.sequence_length in the recipe"):
+        dry_run_target("jax", unset, "v5p", 8)
 
 
 def test_run_cli_sends_dry_run_to_the_trainers_measurement_and_never_trains(capsys):

@@ -28,8 +28,7 @@ pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu 
 from olmo_model import flops_per_token, param_counts  # noqa: E402
 from olmo_model.maths import matmul_params_per_token  # noqa: E402
 from olmo_run.recipe import RecipeError, load_recipe  # noqa: E402
-from olmo_train_jax import dry_run as dr  # noqa: E402
-from olmo_train_jax import sharding, train  # noqa: E402
+from olmo_train_jax import aot_targets, hlo_cost, parallelize, step  # noqa: E402  # noqa: E402
 from olmo_train_jax.cli import main  # noqa: E402
 from olmo_train_jax.model import build_model  # noqa: E402
 
@@ -107,7 +106,7 @@ def test_cli_json_keys_layout_and_arguments_are_the_sharded_state(recipes):
 
     # Arguments by hand: fp32 parameter + AdamW mu + nu = 12 bytes per parameter. Every matrix
     # (embedding, head, stacked projections) splits over fsdp=4 (all its sizes divide 4); the
-    # norm scales are replicated (sharding.param_partition_spec). The batch: input_ids and labels,
+    # norm scales are replicated (parallelize.param_partition_spec). The batch: input_ids and labels,
     # [2 micro-steps, 1 row, 256] int32 per device (doc_ids is unused without document masking and
     # jit drops unused arguments); lr and step are scalars that XLA:TPU pads to a 128-lane tile of 4
     # bytes (512 bytes each).
@@ -154,7 +153,7 @@ def test_scaled_cost_counts_each_loop_body_trip_count_times():
     """A program whose FLOPs are known exactly: a scan of 3 steps around a scan of 4 matmuls of
     128 x 128 (2 x 128^3 FLOPs each) and one more matmul outside: 13 matmuls, where XLA's own cost
     analysis counts the loop bodies once (2 matmuls + the outside one)."""
-    _, devices = dr.topology_devices("v5p", 1)
+    _, devices = aot_targets.topology_devices("v5p", 1)
     n = 128
     w_spec = jax.ShapeDtypeStruct((n, n), jnp.float32, sharding=NamedSharding(jax.sharding.Mesh(devices, ("x",)), P()))
 
@@ -168,7 +167,7 @@ def test_scaled_cost_counts_each_loop_body_trip_count_times():
         return jax.lax.scan(outer, x, None, length=3)[0] @ w
 
     compiled = jax.jit(f).lower(w_spec, w_spec).compile()
-    cost = dr.scaled_cost(compiled.as_text())
+    cost = hlo_cost.scaled_cost(compiled.as_text())
     matmul = 2 * n**3
     # Beside the matmuls XLA counts the loop counters' adds and compares and an elementwise pass or
     # two over the 128 x 128 carry (n^2 FLOPs each, 1/256 of a matmul): 1e-3 allows three passes.
@@ -180,11 +179,11 @@ def test_scaled_cost_counts_each_loop_body_trip_count_times():
 def test_the_step_estimate_scales_the_cost_model_and_refuses_what_is_no_time():
     """optimal_seconds x compiled FLOPs / FLOPs counted once; nothing where XLA's cost model gives
     no positive time (XLA:TPU gave -1894 s for olmo3-7b on tpu7x:256, which became a negative MFU)."""
-    cost = dr.ScaledCost(flops=12.0, flops_once=3.0, trip_counts={"body": 4})
-    assert dr.step_estimate(0.5, cost) == 2.0
+    cost = hlo_cost.ScaledCost(flops=12.0, flops_once=3.0, trip_counts={"body": 4})
+    assert hlo_cost.step_estimate(0.5, cost) == 2.0
     for bad in (None, 0.0, -1894.8, float("nan")):
-        assert dr.step_estimate(bad, cost) is None
-    assert dr.step_estimate(0.5, dr.ScaledCost(flops=0.0, flops_once=0.0, trip_counts={})) is None
+        assert hlo_cost.step_estimate(bad, cost) is None
+    assert hlo_cost.step_estimate(0.5, hlo_cost.ScaledCost(flops=0.0, flops_once=0.0, trip_counts={})) is None
 
 
 def test_temporaries_do_not_grow_with_the_device_count(recipes):
@@ -209,10 +208,10 @@ def test_for_mesh_picks_the_tpu_path_and_pins_the_batch_split(recipes):
     ``jax.default_backend()``) and pins the residual stream to the batch axes."""
     recipe = load_recipe(recipes[8], [])
     spec = recipe.model_spec()
-    _, devices = dr.topology_devices("v5p", 4)
-    mesh = sharding.make_mesh(recipe.jax.mesh, devices)
+    _, devices = aot_targets.topology_devices("v5p", 4)
+    mesh = parallelize.build_mesh(recipe.jax.mesh, devices)
     model = nnx.eval_shape(lambda: build_model(spec))
-    train.for_mesh(model, spec, recipe, mesh)
+    step.for_mesh(model, spec, recipe, mesh)
     assert jax.default_backend() == "cpu" and model.platform == "tpu"
     assert model.hidden_sharding == NamedSharding(mesh, P(("data", "fsdp"), None, None))
 
@@ -252,11 +251,11 @@ def test_a_step_that_cannot_fit_exits_1_with_the_reason(tmp_path):
     ],
 )
 def test_topology_shapes(kind, chips, shape):
-    assert dr.topology_shape(kind, chips) == shape
+    assert aot_targets.topology_shape(kind, chips) == shape
 
 
 def test_topology_devices_tpu7x_has_two_per_chip_and_bad_counts_are_refused():
-    name, devices = dr.topology_devices("tpu7x", 4)
+    name, devices = aot_targets.topology_devices("tpu7x", 4)
     assert name == "tpu7x:2x2x1" and len(devices) == 8
     with pytest.raises(RecipeError, match="v5p:7"):
-        dr.topology_devices("v5p", 7)
+        aot_targets.topology_devices("v5p", 7)

@@ -1,6 +1,6 @@
 """``olmo-train-jax RECIPE --dry-run --devices h100:N / h200:N``: the train step compiled ahead of
 time for NVIDIA GPUs that this machine does not have (JAX's CUDA plugin given the card's
-description, ``dry_run.gpu_topology_devices``), its numbers checked against references worked out
+description, ``aot_targets.gpu_topology_devices``), its numbers checked against references worked out
 by hand: the arguments are the sharded state byte for byte, the FLOPs are the matmuls plus cuDNN's
 attention passes, the budget is JAX's share of the card.
 
@@ -22,8 +22,10 @@ from test_dry_run import SEQ, SPEC, WINDOW, cli_json, write_recipe  # noqa: E402
 from olmo_model import PEAKS, flops_per_token, param_counts  # noqa: E402
 from olmo_model.maths import matmul_params_per_token  # noqa: E402
 from olmo_run.recipe import RecipeError, load_recipe  # noqa: E402
-from olmo_train_jax import dry_run as dr  # noqa: E402
-from olmo_train_jax import moe  # noqa: E402
+from olmo_train_jax import (
+    aot_targets,  # noqa: E402
+    grouped_gemm,  # noqa: E402
+)
 from olmo_train_jax.cli import main  # noqa: E402
 
 # Two 128-wide heads, as in SPEC.
@@ -115,7 +117,10 @@ def test_gpu_counts_past_one_host_come_in_whole_hosts(recipes, capsys):
     assert main([str(recipes[8]), "--dry-run", "--devices", "h100:12"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "h100:12" in err and "multiple of 8" in err
-    assert dr.gpu_topology_shape("h100", 4) == (1, 4) and dr.gpu_topology_shape("h100", 512) == (64, 8)
+    assert aot_targets.gpu_topology_shape("h100", 4) == (1, 4) and aot_targets.gpu_topology_shape("h100", 512) == (
+        64,
+        8,
+    )
 
 
 def test_kinds_without_a_target_description_are_refused_in_one_line(recipes, capsys):
@@ -126,17 +131,17 @@ def test_kinds_without_a_target_description_are_refused_in_one_line(recipes, cap
 
 def test_the_memory_fraction_is_read_from_jax_s_variable(monkeypatch):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-    assert dr.gpu_memory_fraction() == 0.95
+    assert aot_targets.gpu_memory_fraction() == 0.95
     monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "95%")
     with pytest.raises(RecipeError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='95%'"):
-        dr.gpu_memory_fraction()
+        aot_targets.gpu_memory_fraction()
 
 
 def test_without_the_cuda_plugin_the_error_names_the_extra(monkeypatch):
-    real = dr.importlib.util.find_spec
-    monkeypatch.setattr(dr.importlib.util, "find_spec", lambda name: None if "cuda" in name else real(name))
+    real = aot_targets.importlib.util.find_spec
+    monkeypatch.setattr(aot_targets.importlib.util, "find_spec", lambda name: None if "cuda" in name else real(name))
     with pytest.raises(RecipeError, match=r"uv sync --extra gpu-aot"):
-        dr.gpu_topology_devices("h200", 1)
+        aot_targets.gpu_topology_devices("h200", 1)
 
 
 MOE_SPEC = dict(
@@ -148,9 +153,9 @@ def test_moe_on_hopper_picks_the_mosaic_kernels_which_need_the_card(tmp_path, ca
     """``auto`` chooses the grouped GEMM for the target (the abstract H200 is Hopper, by its name),
     and the Mosaic GPU kernels it chooses cannot be traced without the card: one line that names
     the ragged fallback; with ``jax.moe_gemm=ragged`` the step compiles."""
-    _, devices = dr.gpu_topology_devices("h200", 1)
-    assert moe.gemm_backend(jnp.bfloat16, 256, 128, devices[0]) == "mgpu"
-    assert moe.gemm_backend(jnp.float32, 256, 128, devices[0]) == "ragged"  # the kernels take bf16 only
+    _, devices = aot_targets.gpu_topology_devices("h200", 1)
+    assert grouped_gemm.gemm_backend(jnp.bfloat16, 256, 128, devices[0]) == "mgpu"
+    assert grouped_gemm.gemm_backend(jnp.float32, 256, 128, devices[0]) == "ragged"  # the kernels take bf16 only
     recipe = write_recipe(tmp_path / "moe.yaml", 8, MOE_SPEC)
     assert main([str(recipe), "--dry-run", "--devices", "h200:1"]) == 2
     err = capsys.readouterr().err.strip()

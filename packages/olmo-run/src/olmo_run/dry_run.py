@@ -6,17 +6,21 @@ Each trainer measures in its own way and returns a ``DryRunReport``: JAX compile
 train step ahead of time for the TPU topology and reads the compiler's per-device memory;
 torch builds the model on meta, parallelizes it over a fake process group of COUNT ranks and
 tracks rank 0's memory through one step. This module owns what is the same for both: the
-arguments, the planner's estimate beside the measurement, the table, the JSON object and the
-exit status (0 fits, 1 does not fit, with the reason on one line).
+arguments, where a dry run starts (``dry_run_target``: the device kind, the trainer's refusal of
+kinds it cannot target, the model and sequence length, in that order) and the parts of the report
+that follow from it, the planner's estimate beside the measurement, the table, the JSON object and
+the exit status (0 fits, 1 does not fit, with the reason on one line).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from olmo_model import DevicePeak, ModelSpec, flops_per_token, resolve_device_kind
 from olmo_run.plan import GIB, make_plan, parse_devices
 from olmo_run.recipe import Recipe, RecipeError
 
@@ -55,6 +59,52 @@ class DryRunReport:
     @property
     def fits(self) -> bool:
         return self.peak_bytes_per_device <= self.hbm_bytes_per_device
+
+
+@dataclass(frozen=True)
+class DryRunTarget:
+    """What a trainer's dry run measures: one step of ``recipe`` on ``count`` devices of ``peak``'s kind."""
+
+    framework: str  # "jax" or "torch"
+    recipe: Recipe
+    spec: ModelSpec
+    seq: int  # train.sequence_length: a dry run reads no data, so the recipe must state it
+    peak: DevicePeak
+    count: int
+
+    @property
+    def model_flops_per_step(self) -> float:
+        """``olmo_model.flops_per_token`` x the recipe's global batch tokens."""
+        return flops_per_token(self.spec, self.seq) * self.recipe.train.global_batch_tokens
+
+    def report(self, **measured: Any) -> DryRunReport:
+        """The trainer's measurement as a ``DryRunReport``, with the fields the target fixes."""
+        return DryRunReport(
+            framework=self.framework,
+            device_kind=self.peak.kind,
+            model_flops_per_step=self.model_flops_per_step,
+            **measured,
+        )
+
+
+def dry_run_target(
+    framework: str,
+    recipe: Recipe,
+    device_kind: str,
+    count: int,
+    check_kind: Callable[[DevicePeak], None] | None = None,
+) -> DryRunTarget:
+    """Where both trainers' dry runs start: the peak entry of ``device_kind``, ``check_kind``'s
+    refusal (a ``RecipeError``) of a kind the trainer cannot target, then the recipe's model and
+    its sequence length."""
+    peak = resolve_device_kind(device_kind)
+    if check_kind is not None:
+        check_kind(peak)
+    spec = recipe.model_spec()
+    seq = recipe.train.sequence_length
+    if seq is None:
+        raise RecipeError("--dry-run needs train.sequence_length in the recipe (a dry run reads no data)")
+    return DryRunTarget(framework, recipe, spec, seq, peak, count)
 
 
 def parse_dry_run_args(args: list[str]) -> tuple[list[str], DryRunArgs | None]:

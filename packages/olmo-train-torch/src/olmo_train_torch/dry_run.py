@@ -4,7 +4,7 @@ without real weights (torchtitan's fake-backend validation; contract 7).
 
 This process joins a fake process group of COUNT ranks as rank 0 (``torch.distributed``'s
 "fake" backend: collectives return at once, nothing is sent), builds the mesh and starts the
-model as the trainer does (``train.start_model``: meta, ``prepare_model`` / ``parallelize``,
+model as the trainer does (``step.start_model``: meta, ``prepare_model`` / ``parallelize``,
 ``to_empty`` of this rank's shards), but from ``to_empty`` on under ``FakeTensorMode``: every
 tensor has a shape, dtype and device and no storage. It then runs one step of the trainer's own code (``train.accumulate_gradients``:
 forward with the fused head + loss, backward, gradient reduction; ``grad_global_norm``,
@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, Self
 
 import torch
@@ -52,14 +53,14 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
-from olmo_model import flops_per_token, resolve_device_kind
-from olmo_run.dry_run import DryRunReport
+from olmo_model import DevicePeak
+from olmo_run.dry_run import DryRunReport, DryRunTarget, dry_run_target
 from olmo_run.plan import TPU_KINDS
-from olmo_run.recipe import Recipe, RecipeError, batch_layout
+from olmo_run.recipe import BatchLayout, Recipe, RecipeError, batch_layout
 
 from .model import OlmoModel
-from .parallelize import Distributed, build_mesh, check_context_sequence, check_parallel
-from .train import accumulate_gradients, clip_gradients, grad_global_norm, make_optimizer, prepare_model
+from .parallelize import Distributed, build_mesh, check_layout
+from .step import accumulate_gradients, clip_gradients, grad_global_norm, make_optimizer, prepare_model
 
 CPU = torch.device("cpu")
 
@@ -254,57 +255,46 @@ def _with_moments(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
-def dry_run(recipe: Recipe, device_kind: str, count: int, *, module_stats: bool = False) -> DryRunReport:
-    """Rank 0's memory for one step of ``recipe`` on ``count`` ranks of GPU kind ``device_kind``.
-    ``module_stats``: track with torch's trackers as they are (per-module peaks kept, which the
-    report does not read; slower by ops x modules), to check the peak-only ones against."""
-    started = time.perf_counter()
-    _check_tracker_internals()
-    peak = resolve_device_kind(device_kind)
+def _refuse_tpu(device_kind: str, count: int, peak: DevicePeak) -> None:
+    """The torch trainer's dry run targets GPUs only."""
     if peak.kind in TPU_KINDS:
         raise RecipeError(
             f"--devices {device_kind}:{count}: the torch trainer runs on GPUs; name a GPU kind (e.g. h100), "
             "or dry-run the JAX trainer for TPUs"
         )
-    spec = recipe.model_spec()
-    seq = recipe.train.sequence_length
-    if seq is None:
-        raise RecipeError("--dry-run needs train.sequence_length in the recipe (it reads no data)")
-    section = recipe.torch
-    check_parallel(section, count, spec)
-    check_context_sequence(section, seq)
-    cp = section.context_parallel
+
+
+def _check_fake_layout(target: DryRunTarget) -> None:
+    """The trainer's own layout checks, then what fake tensors cannot run: expert parallelism's
+    routing-sized all-to-all and DDP's checks of real parameter data."""
+    section = target.recipe.torch
+    check_layout(section, target.count, target.spec, target.seq)
     if section.expert_parallel > 1:
         raise RecipeError(
             f"--dry-run with torch.expert_parallel={section.expert_parallel}: the all-to-all's split sizes "
             "come from the routing (read on the host), which fake tensors do not have; dry-run with "
             "torch.expert_parallel=1"
         )
-    if section.parallel == "ddp" and count > 1:
+    if section.parallel == "ddp" and target.count > 1:
         raise RecipeError(
             "--dry-run with torch.parallel=ddp: DistributedDataParallel checks and broadcasts real parameter "
             "data when it is built, which fake tensors do not have; dry-run torch.parallel=fsdp or hsdp"
         )
-    # Context parallelism: C ranks share one data-parallel rank's rows.
-    layout = batch_layout(recipe.global_batch_sequences(seq), count // cp, recipe.train.micro_batch_size)
-    notes = [
-        "counts tensor storage only: no CUDA allocator fragmentation or reserve, NCCL/cuBLAS workspaces "
-        "or CUDA context (keep ~10% of HBM for them)"
-    ]
-    if section.compile:
-        notes.append("torch.compile: true in the recipe, not traced: the figures are those of the eager step")
-        recipe = recipe.model_copy(update={"torch": section.model_copy(update={"compile": False})})
-    micro_steps = sorted({0, min(1, layout.accumulation_steps - 1), layout.accumulation_steps - 1})
-    if layout.accumulation_steps > 3:
-        notes.append(
-            f"micro-steps 3..{layout.accumulation_steps - 1} of {layout.accumulation_steps} not run: they repeat micro-step 2's memory"
-        )
+
+
+def _track_step(
+    recipe: Recipe, target: DryRunTarget, layout: BatchLayout, micro_steps: list[int], module_stats: bool
+) -> tuple[dict[str, int], dict[str, int], bool]:
+    """Rank 0 of a fake process group starts the model as the trainer does, then runs one step
+    inside the memory tracker: (the tracker's peak by kind, the mesh's shape, whether it has a
+    mesh)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    seq, count = target.seq, target.count
     with fake_process_group(count) as d, contextlib.ExitStack() as fake, _sharding_propagation_untracked():
         mesh = build_mesh(d, recipe.torch)
         with torch.device("meta"):
-            bare = OlmoModel(spec)
+            bare = OlmoModel(target.spec)
 
         def allocate(m: torch.nn.Module) -> None:
             # start_model's allocate_only, with storage-less tensors: FakeTensorMode from here on.
@@ -320,7 +310,9 @@ def dry_run(recipe: Recipe, device_kind: str, count: int, *, module_stats: bool 
         tensors = {k: torch.zeros((rows, seq), dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
         tracker = _tracker(model, optimizer, tuple(tensors.values()), module_stats)
         with tracker:
-            accumulate_gradients(model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, micro_steps=micro_steps)
+            accumulate_gradients(
+                model, tensors, layout=layout, d=d, spec=target.spec, recipe=recipe, micro_steps=micro_steps
+            )
             params = [p for g in optimizer.param_groups for p in g["params"]]
             norm = grad_global_norm(params)
             if recipe.optim.grad_clip is not None:
@@ -329,25 +321,50 @@ def dry_run(recipe: Recipe, device_kind: str, count: int, *, module_stats: bool 
             optimizer.zero_grad(set_to_none=True)
         snapshot = _peak_parts(tracker)
         mesh_shape = {"world": 1} if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape))
-        if cp > 1:
-            mesh_shape["context"] = cp
+    return snapshot, mesh_shape, mesh is not None
+
+
+def dry_run(recipe: Recipe, device_kind: str, count: int, *, module_stats: bool = False) -> DryRunReport:
+    """Rank 0's memory for one step of ``recipe`` on ``count`` ranks of GPU kind ``device_kind``.
+    ``module_stats``: track with torch's trackers as they are (per-module peaks kept, which the
+    report does not read; slower by ops x modules), to check the peak-only ones against."""
+    started = time.perf_counter()
+    _check_tracker_internals()
+    target = dry_run_target("torch", recipe, device_kind, count, partial(_refuse_tpu, device_kind, count))
+    _check_fake_layout(target)
+    section, seq = recipe.torch, target.seq
+    cp = section.context_parallel
+    # Context parallelism: C ranks share one data-parallel rank's rows.
+    layout = batch_layout(recipe.global_batch_sequences(seq), count // cp, recipe.train.micro_batch_size)
+    notes = [
+        "counts tensor storage only: no CUDA allocator fragmentation or reserve, NCCL/cuBLAS workspaces "
+        "or CUDA context (keep ~10% of HBM for them)"
+    ]
+    if section.compile:
+        notes.append("torch.compile: true in the recipe, not traced: the figures are those of the eager step")
+        recipe = recipe.model_copy(update={"torch": section.model_copy(update={"compile": False})})
+    micro_steps = sorted({0, min(1, layout.accumulation_steps - 1), layout.accumulation_steps - 1})
+    if layout.accumulation_steps > 3:
+        notes.append(
+            f"micro-steps 3..{layout.accumulation_steps - 1} of {layout.accumulation_steps} not run: they repeat micro-step 2's memory"
+        )
+    snapshot, mesh_shape, sharded = _track_step(recipe, target, layout, micro_steps, module_stats)
+    if cp > 1:
+        mesh_shape["context"] = cp
     parts: dict[str, int] = {}
     for kind, name in PARTS.items():
         if snapshot.get(kind):
             parts[name] = parts.get(name, 0) + snapshot[kind]
-    tracked = "FSDPMemTracker" if mesh is not None and section.parallel in ("fsdp", "hsdp") else "MemTracker"
-    return DryRunReport(
-        framework="torch",
-        device_kind=peak.kind,
+    tracked = "FSDPMemTracker" if sharded and section.parallel in ("fsdp", "hsdp") else "MemTracker"
+    return target.report(
         devices=count,
         mesh=mesh_shape,
         per_device_batch=layout.per_device_batch,
         accumulation_steps=layout.accumulation_steps,
         peak_bytes_per_device=snapshot.get(_TOTAL, 0),
-        hbm_bytes_per_device=int(peak.hbm_bytes),
+        hbm_bytes_per_device=int(target.peak.hbm_bytes),
         memory_bytes=parts,
         compile_seconds=time.perf_counter() - started,
-        model_flops_per_step=flops_per_token(spec, seq) * recipe.train.global_batch_tokens,
         method=(
             f"{tracked} under FakeTensorMode, rank 0 of a fake process group of {count}, "
             f"torch.parallel={section.parallel}"
