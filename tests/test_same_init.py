@@ -1,7 +1,7 @@
 """Both trainers start from the same full weights for the same seed (``olmo_model.init``), whatever
 their layout: the JAX trainer's fresh parameters on 1 device and sharded over 4 (FSDP; for the MoE
 spec FSDP x expert axis), gathered, equal bit for bit the torch trainer's start-up on one process
-(``build_model``; its own tests show every torch layout gives the same)."""
+(``initial_model``; its own tests show every torch layout gives the same)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
     ],
 )
 def test_jax_trainer_starts_from_the_torch_trainers_weights(tmp_path, devices, overrides, sharded):
-    from olmo_train_torch import build_model, to_hf
+    from olmo_train_torch import initial_model, to_hf
 
     args = [*overrides, "--train.seed=23"]
     out = tmp_path / "jax.npz"
@@ -41,7 +41,7 @@ def test_jax_trainer_starts_from_the_torch_trainers_weights(tmp_path, devices, o
     assert int(jax_weights.pop("n_devices")) == devices
     assert (int(jax_weights.pop("n_sharded")) > 0) == sharded
     spec = load_recipe(None, args).model_spec()
-    torch_weights = {k: v.numpy() for k, v in to_hf(build_model(spec, seed=23), spec).items()}
+    torch_weights = {k: v.numpy() for k, v in to_hf(initial_model(spec, seed=23), spec).items()}
     assert jax_weights.keys() == torch_weights.keys()
     for name, value in torch_weights.items():
         assert np.array_equal(jax_weights[name], value), name

@@ -41,7 +41,7 @@ def main() -> None:
 
     from olmo_tools.native import torch_to_numpy
     from olmo_train_jax import model_from_hf as jax_model_from_hf
-    from olmo_train_torch import build_model, to_hf
+    from olmo_train_torch import initial_model, to_hf
 
     spec = load_spec(args.spec)
     dtype = getattr(torch, args.dtype)
@@ -51,7 +51,7 @@ def main() -> None:
         f"vocab {spec.padded_vocab_size}; batch {args.batch} x seq {args.seq_len}, {args.dtype}; "
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), jax {jax.__version__} on {jax.devices()[0]}"
     )
-    ours = build_model(spec, seed=args.seed, dtype=dtype).eval()
+    ours = initial_model(spec, seed=args.seed, dtype=dtype).eval()
     tensors = to_hf(ours, spec)
     reference = Olmo3ForCausalLM(Olmo3Config.from_dict(hf_config(spec))).to(dtype).eval()
     missing, unexpected = reference.load_state_dict(tensors, strict=False)

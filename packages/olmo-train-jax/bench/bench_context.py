@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from olmo_model import get_preset
     from olmo_run.recipe import load_recipe
-    from olmo_train_jax import sharding as sh
-    from olmo_train_jax.causal_attention import context_attention
-    from olmo_train_jax.model import attention, build_model
-    from olmo_train_jax.train import BATCH_KEYS, for_mesh, step_functions
+    from olmo_train_jax import parallelize as sh
+    from olmo_train_jax.causal_attention import attention
+    from olmo_train_jax.context_parallel import context_attention
+    from olmo_train_jax.model import build_model
+    from olmo_train_jax.step import BATCH_KEYS, for_mesh, step_functions
 
     if jax.device_count() < 4:
         print("bench_context: needs 4 devices (XLA_FLAGS=--xla_force_host_platform_device_count=4)", file=sys.stderr)
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for degree in (1, 4):
         axes = {"data": 1} if degree == 1 else {"data": 1, "context": degree}
-        mesh = sh.make_mesh(axes, jax.devices()[:degree])
+        mesh = sh.build_mesh(axes, jax.devices()[:degree])
         m = for_mesh(build_model(spec, seed=0), spec, recipe, mesh)
         fns = step_functions(m, spec, recipe, mesh)
         params = jax.device_put(m.params, m.params_sh)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     return jnp.sum(attention(q, k, k, window, None, "xla", 1, "cpu") ** 2)
 
             else:
-                ctx = sh.context_setup(mesh, spec)
+                ctx = sh.build_context(mesh, spec)
                 assert ctx is not None
 
                 def loss(q, k, window=window, ctx=ctx):

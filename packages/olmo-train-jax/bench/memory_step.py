@@ -28,7 +28,7 @@ from olmo_run.recipe import load_recipe
 from olmo_train_jax import model as model_module
 from olmo_train_jax.layers import plain_rms_norm, plain_swiglu_down
 from olmo_train_jax.model import REMAT_POLICIES, build_model
-from olmo_train_jax.train import for_mesh, step_functions
+from olmo_train_jax.step import for_mesh, step_functions
 
 
 def residuals(spec, remat: str, seq: int) -> tuple[float, list[tuple[str, float]]]:
@@ -49,9 +49,9 @@ def residuals(spec, remat: str, seq: int) -> tuple[float, list[tuple[str, float]
 
 def temp_gib(spec, batch: int, seq: int) -> float:
     recipe = load_recipe(None, ["--train.precision=bf16"])
-    from olmo_train_jax import sharding
+    from olmo_train_jax import parallelize
 
-    mesh = sharding.make_mesh({"data": -1})
+    mesh = parallelize.build_mesh({"data": -1})
     m = for_mesh(nnx.eval_shape(lambda: build_model(spec, seed=0, dtype=jnp.bfloat16)), spec, recipe, mesh)
     fns = step_functions(m, spec, recipe, mesh)
     data = {k: jax.ShapeDtypeStruct((1, batch, seq), jnp.int32) for k in ("input_ids", "labels", "doc_ids")}

@@ -67,10 +67,10 @@ def _measure(memory_seq: int | None = None) -> dict:
     from olmo_run.checkpoints import checkpoint_dir
     from olmo_run.recipe import RecipeError, load_recipe
     from olmo_train_jax import model_from_hf
-    from olmo_train_jax import sharding as sh
-    from olmo_train_jax.causal_attention import context_block
-    from olmo_train_jax.checkpoint import Checkpointer, abstract_like, restore_state
-    from olmo_train_jax.train import BATCH_KEYS, for_mesh, step_functions
+    from olmo_train_jax import parallelize as sh
+    from olmo_train_jax.checkpoint import Checkpointer, abstract_like, load_checkpoint
+    from olmo_train_jax.context_parallel import context_block
+    from olmo_train_jax.step import BATCH_KEYS, for_mesh, step_functions
 
     assert jax.device_count() == 8, jax.devices()
     started = time.perf_counter()
@@ -108,7 +108,7 @@ def _measure(memory_seq: int | None = None) -> dict:
 
     def prepared(s, recipe, axes: dict[str, int]):
         n = int(np.prod(list(axes.values())))
-        mesh = sh.make_mesh(axes, jax.devices()[:n])
+        mesh = sh.build_mesh(axes, jax.devices()[:n])
         m = for_mesh(model_from_hf(s, params0[s.name]), s, recipe, mesh)
         fns = step_functions(m, s, recipe, mesh)
         return mesh, m, fns
@@ -187,15 +187,15 @@ def _measure(memory_seq: int | None = None) -> dict:
     # The loader's view: context is not a data-parallel axis; a context group reads one shard.
     out["loader"] = {}
     for name, axes in (("cp4", cp4), ("cp2_data2", layouts["cp2_data2"]), ("cp2_data4", {"data": 4, "context": 2})):
-        mesh = sh.make_mesh(axes, jax.devices()[: int(np.prod(list(axes.values())))])
+        mesh = sh.build_mesh(axes, jax.devices()[: int(np.prod(list(axes.values())))])
         out["loader"][name] = {"dp": sh.dp_size(mesh), "shards": list(sh.process_batch_shards(mesh))}
     try:
-        sh.check_mesh_for_sequence(sh.make_mesh(cp4, jax.devices()[:4]), 250)
+        sh.check_sequence_split(sh.build_mesh(cp4, jax.devices()[:4]), 250)
         out["bad_sequence"] = None
     except RecipeError as err:
         out["bad_sequence"] = str(err)
     try:
-        sh.make_mesh({"data": 1, "context": -1}, jax.devices()[:4])
+        sh.build_mesh({"data": 1, "context": -1}, jax.devices()[:4])
         out["bad_axis"] = None
     except RecipeError as err:
         out["bad_axis"] = str(err)
@@ -217,7 +217,7 @@ def _measure(memory_seq: int | None = None) -> dict:
         key = key_of(spec, False, axes)
         compiled.setdefault(key, {"setup": prepared(spec, recipe_for(False), axes)})
         _, m, _ = compiled[key]["setup"]
-        params, opt, saved = restore_state(
+        params, opt, saved = load_checkpoint(
             checkpoint_dir(save_to, i * RESUME_EVERY),
             abstract_like(m.params, m.params_sh),
             abstract_like(m.abstract_opt, m.opt_sh),
@@ -359,7 +359,7 @@ def test_sliding_layers_move_only_the_windows_keys(measured):
     assert all(len(s) == 5 and s[2] == 2 and s[4] == 16 for s in pieces), pieces
     assert sorted({s[3] for s in pieces}) == sorted({WINDOW - 1 - chunk, chunk})
     # A sliding layer's forward permutes per key kind: 2 distances x 3 routes (module
-    # causal_attention ``_halo``; pieces with no source are not sent) for K and for V.
+    # context_parallel ``_halo``; pieces with no source are not sent) for K and for V.
     assert len(gathered_kv := [s for s in hlo["all-gather"] if s[0] == "f32" and len(s) == 5]) >= 2, gathered_kv
     gathered = [s for s in hlo["all-gather"] if s[0] == "f32" and len(s) == 5]
     assert gathered and all(s[3] == SEQ for s in gathered), gathered

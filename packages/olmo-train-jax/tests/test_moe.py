@@ -1,7 +1,7 @@
 """MoE in the JAX model on one CPU device (fp32): logits, aux losses and the total loss vs the
-float64 numpy reference, gradients vs finite differences of the reference, the block vs the
-Torch MoE block and transformers' OlmoeSparseMoeBlock on the same weights, routing modes,
-metrics, HF names round trip.
+float64 numpy reference, gradients vs finite differences of the reference, the block vs
+transformers' OlmoeSparseMoeBlock on the same weights, routing modes, metrics, HF names round
+trip. The block against the torch trainer's: tests/test_moe_twins.py (repository root).
 
     uv run --frozen pytest packages/olmo-train-jax/tests/test_moe.py -n 0 -q
 """
@@ -18,17 +18,15 @@ from flax import nnx
 from olmo_model import MoESpec, get_preset, reference
 from olmo_model.moe import rank_load_max_over_mean
 from olmo_train_jax import model_from_hf, to_hf
+from olmo_train_jax.grouped_gemm import ExpertWeights, tiled_swiglu
 from olmo_train_jax.moe import (
-    ExpertWeights,
-    MoEStats,
+    RoutingStats,
     aux_loss,
     moe_block,
     moe_metrics,
     route,
-    tiled_swiglu,
     top_k_lowest_index_on_ties,
 )
-from olmo_train_torch.moe import MoE as TorchMoE
 
 TINY_MOE = get_preset("tiny-moe")
 # Sigmoid router, renormalised top-k, two shared experts of another width, 2 layers.
@@ -165,46 +163,6 @@ def test_variant_loss_and_gradients_match_reference_and_finite_differences():
         analytic = sum(float(np.vdot(hf_grads[n].astype(np.float64), direction[n])) for n in names)
         assert analytic == pytest.approx(numeric, rel=1e-4), group
     assert np.abs(hf_grads["model.layers.0.mlp.gate.weight"]).max() > 0  # learned routing trains the router
-
-
-def _numpy_layer(spec, params, layer):
-    pre = f"model.layers.{layer}.mlp."
-    return {k[len(pre) :]: v for k, v in params.items() if k.startswith(pre)}
-
-
-def test_block_matches_torch_moe_block():
-    """The JAX block and helper H9's Torch block (olmo_train_torch.moe.MoE) on the same weights."""
-    spec = VARIANT
-    moe = spec.moe
-    params = reference.init_params(spec, seed=5)
-    layer = _numpy_layer(spec, params, 0)
-    x = np.random.default_rng(6).standard_normal((96, spec.d_model)).astype(np.float32)
-
-    block = TorchMoE(moe, spec.d_model, layer=0)
-    with torch.no_grad():
-        block.router.weight.copy_(torch.from_numpy(layer["gate.weight"]))
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            stacked = np.stack([layer[f"experts.{e}.{proj}.weight"] for e in range(moe.n_experts)])
-            getattr(block.experts, proj).copy_(torch.from_numpy(stacked))
-            for s in range(moe.n_shared_experts):
-                getattr(block.shared_experts[s], proj).weight.copy_(
-                    torch.from_numpy(layer[f"shared_experts.{s}.{proj}.weight"])
-                )
-    torch_out, torch_stats = block(torch.from_numpy(x))
-
-    model = model_from_hf(spec, params)
-    w = model.layers
-    routed = ExpertWeights(w.expert_gate_proj[0], w.expert_up_proj[0], w.expert_down_proj[0])
-    shared = ExpertWeights(w.shared_gate_proj[0], w.shared_up_proj[0], w.shared_down_proj[0])
-    with jax.default_matmul_precision("highest"):
-        out, stats = jax.jit(lambda x: moe_block(x, w.router[0], routed, shared, moe))(jnp.asarray(x))
-    assert np.abs(np.asarray(out) - torch_out.detach().numpy()).max() <= 1e-5
-    np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), torch_stats.tokens_per_expert.numpy())
-    ref_layer = {"m." + k: v.astype(np.float64) for k, v in layer.items()}
-    ref_out, ref_lb, ref_z = reference.moe_block(moe, ref_layer, "m.", x.astype(np.float64))
-    assert np.abs(np.asarray(out) - ref_out).max() <= 1e-5
-    assert float(stats.load_balancing) == pytest.approx(ref_lb, rel=1e-5)
-    assert float(stats.router_z) == pytest.approx(ref_z, rel=1e-5)
 
 
 def _olmoe_spec(normalize: bool):
@@ -361,7 +319,9 @@ def test_hf_round_trip_and_interleaved_layers_refused():
 def test_rank_load_and_metrics_by_hand():
     # 4 ranks of 2 experts: loads 10, 2, 4, 0 -> mean 4, max 10.
     assert rank_load_max_over_mean(np.array([6, 4, 1, 1, 2, 2, 0, 0]), 4) == 2.5
-    stats = MoEStats(jnp.float32(1.25), jnp.float32(3.5), jnp.array([6, 4, 1, 1, 2, 2, 0, 0], jnp.int32), jnp.int32(0))
+    stats = RoutingStats(
+        jnp.float32(1.25), jnp.float32(3.5), jnp.array([6, 4, 1, 1, 2, 2, 0, 0], jnp.int32), jnp.int32(0)
+    )
     assert moe_metrics(stats, 2) == {
         "moe_tokens_per_expert": [6, 4, 1, 1, 2, 2, 0, 0],
         "moe_rank_load_max_over_mean": 12 / 8,  # ranks hold 12 and 4

@@ -30,7 +30,7 @@ from olmo_model import get_preset, layout_loss_tolerance
 from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.metrics import read_metrics
 from olmo_run.recipe import RecipeError
-from olmo_train_jax import sharding
+from olmo_train_jax import parallelize
 from olmo_train_jax.cli import main
 
 STEPS = 20
@@ -166,12 +166,12 @@ def test_exact_resume_on_expert_two_and_resharded_resume_on_expert_four(mixture,
 def test_bad_expert_meshes_are_refused_in_one_line(mixture, tmp_path):
     n = 1  # this process's device count (no XLA_FLAGS here)
     with pytest.raises(RecipeError, match=r"jax.mesh.expert=2 does not divide the 1 devices"):
-        sharding.make_mesh({"data": -1, "expert": 2}, devices=jax.devices()[:n])
+        parallelize.build_mesh({"data": -1, "expert": 2}, devices=jax.devices()[:n])
     with pytest.raises(RecipeError, match="jax.mesh.expert cannot be -1"):
-        sharding.make_mesh({"data": 1, "expert": -1})
+        parallelize.build_mesh({"data": 1, "expert": -1})
     fake = SimpleNamespace(shape={"expert": 3})
     with pytest.raises(RecipeError, match=r"jax.mesh.expert=3 does not divide moe.n_experts=8"):
-        sharding.check_mesh_for_spec(fake, get_preset("tiny-moe"))
+        parallelize.check_mesh_for_spec(fake, get_preset("tiny-moe"))
     # A dense spec with an expert axis, through the real entry point: exit 2, one line, nothing written.
     run_dir = tmp_path / "dense"
     done = run_subprocess(
@@ -199,7 +199,7 @@ def _step_jaxpr(moe_gemm: str) -> str:
 
     from olmo_run.recipe import load_recipe
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import placed_step
+    from olmo_train_jax.step import placed_step
 
     spec = get_preset("tiny-moe")
     recipe = load_recipe(None, ["--model=tiny-moe", "--train.precision=fp32", f"--jax.moe_gemm={moe_gemm}"])
@@ -210,7 +210,7 @@ def _step_jaxpr(moe_gemm: str) -> str:
 
 
 def test_the_recipe_picks_the_grouped_gemm_and_refuses_mgpu_off_hopper(mixture, tmp_path, capsys):
-    # auto on CPU tiles (moe.gemm_backend); jax.moe_gemm=ragged puts lax.ragged_dot in the step.
+    # auto on CPU tiles (grouped_gemm.gemm_backend); jax.moe_gemm=ragged puts lax.ragged_dot in the step.
     assert "ragged_dot" not in _step_jaxpr("auto")
     assert "ragged_dot" in _step_jaxpr("ragged")
     run_dir = tmp_path / "mgpu"

@@ -51,10 +51,10 @@ from test_train import _documents
 from olmo_data import MixtureLoader, load_mixture
 from olmo_model import layout_loss_tolerance
 from olmo_run.checkpoints import complete_checkpoints
-from olmo_run.driver import SHARED_CHECK_FILE, check_shared_run_dir
 from olmo_run.metrics import read_metrics
 from olmo_run.recipe import RecipeError, load_recipe
-from olmo_train_jax import sharding
+from olmo_run.startup import SHARED_CHECK_FILE, check_shared_run_dir
+from olmo_train_jax import parallelize
 
 STEPS = 6
 CHECKPOINT = 3
@@ -109,12 +109,12 @@ def _die_after_checkpoint() -> None:
 
     step = train.JaxTrainModule.train_step
 
-    def die(self, local, n, lr, guard):
+    def die(self, local, n, lr, guard, metrics):
         if n == CHECKPOINT + 1:
-            while CHECKPOINT not in [s for s, _ in complete_checkpoints(self.plan.run_dir)]:
+            while CHECKPOINT not in [s for s, _ in complete_checkpoints(self.setup.run_dir)]:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
-        return step(self, local, n, lr, guard)
+        return step(self, local, n, lr, guard, metrics)
 
     train.JaxTrainModule.train_step = die
 
@@ -391,8 +391,8 @@ def test_input_only_one_process_cannot_read_stops_both_before_writing(mixture, r
 
 def test_distributed_settings_take_the_recipe_then_the_environment():
     env = {"JAX_COORDINATOR_ADDRESS": "node0:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
-    assert sharding.distributed_settings(load_recipe(None, []), {}) is None  # one process
-    got = sharding.distributed_settings(load_recipe(None, []), env)
+    assert parallelize.distributed_settings(load_recipe(None, []), {}) is None  # one process
+    got = parallelize.distributed_settings(load_recipe(None, []), env)
     assert got == {
         "coordinator_address": "node0:1234",
         "num_processes": 4,
@@ -400,14 +400,14 @@ def test_distributed_settings_take_the_recipe_then_the_environment():
         "heartbeat_timeout_seconds": 100,
     }
     keys = load_recipe(None, ["--jax.coordinator_address=head:9", "--jax.num_processes=8", "--jax.process_id=5"])
-    assert sharding.distributed_settings(keys, env) == {
+    assert parallelize.distributed_settings(keys, env) == {
         "coordinator_address": "head:9",
         "num_processes": 8,
         "process_id": 5,
         "heartbeat_timeout_seconds": 100,
     }
     # jax.distributed alone: everything left to JAX's detection (TPU VM, Slurm).
-    detected = sharding.distributed_settings(load_recipe(None, ["--jax.distributed=true"]), {})
+    detected = parallelize.distributed_settings(load_recipe(None, ["--jax.distributed=true"]), {})
     assert detected == {
         "coordinator_address": None,
         "num_processes": None,
@@ -415,21 +415,21 @@ def test_distributed_settings_take_the_recipe_then_the_environment():
         "heartbeat_timeout_seconds": 100,
     }
     with pytest.raises(RecipeError, match=r"\$JAX_NUM_PROCESSES='two' is not an integer"):
-        sharding.distributed_settings(load_recipe(None, []), {**env, "JAX_NUM_PROCESSES": "two"})
+        parallelize.distributed_settings(load_recipe(None, []), {**env, "JAX_NUM_PROCESSES": "two"})
     with pytest.raises(RecipeError, match="jax.process_id=4 is outside the 4 processes"):
-        sharding.distributed_settings(load_recipe(None, ["--jax.process_id=4"]), env)
+        parallelize.distributed_settings(load_recipe(None, ["--jax.process_id=4"]), env)
 
 
 def test_a_slurm_task_takes_all_its_gpus_only_when_it_does_not_share_them():
     task = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    assert sharding.slurm_task_owns_its_gpus({**task, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"})
+    assert parallelize.slurm_task_owns_its_gpus({**task, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"})
     per_gpu = {**task, "SLURM_NTASKS": "16", "SLURM_STEP_NUM_NODES": "2"}
-    assert not sharding.slurm_task_owns_its_gpus(per_gpu)  # JAX's own choice: GPU SLURM_LOCALID
-    assert sharding.slurm_task_owns_its_gpus({**per_gpu, "CUDA_VISIBLE_DEVICES": "5"})  # Slurm bound one
-    assert not sharding.slurm_task_owns_its_gpus({**per_gpu, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
-    assert not sharding.slurm_task_owns_its_gpus({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"})  # no step
+    assert not parallelize.slurm_task_owns_its_gpus(per_gpu)  # JAX's own choice: GPU SLURM_LOCALID
+    assert parallelize.slurm_task_owns_its_gpus({**per_gpu, "CUDA_VISIBLE_DEVICES": "5"})  # Slurm bound one
+    assert not parallelize.slurm_task_owns_its_gpus({**per_gpu, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    assert not parallelize.slurm_task_owns_its_gpus({"SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2"})  # no step
     explicit = {**task, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "2", "JAX_LOCAL_DEVICE_IDS": "0,1"}
-    assert not sharding.slurm_task_owns_its_gpus(explicit)
+    assert not parallelize.slurm_task_owns_its_gpus(explicit)
 
 
 def test_shared_run_dir_check_names_the_blind_process_and_leaves_nothing(tmp_path):
@@ -468,9 +468,9 @@ def test_a_loader_of_several_ranks_reads_their_rows_in_order(mixture):
 def test_global_batch_array_places_each_shard_rows_on_its_devices():
     import jax
 
-    mesh = sharding.make_mesh({"data": -1})
+    mesh = parallelize.build_mesh({"data": -1})
     n = jax.device_count()
     rows = np.arange(4 * n)[:, None] * np.ones((1, 3), np.int32)  # row i holds i
-    batch = sharding.global_batch_array(rows, mesh, accumulation=2, global_rows=4 * n)
-    assert sharding.process_batch_shards(mesh) == tuple(range(n))
-    assert np.array_equal(np.asarray(batch), sharding.to_micro_batches(rows, n, 2))
+    batch = parallelize.global_batch_array(rows, mesh, accumulation=2, global_rows=4 * n)
+    assert parallelize.process_batch_shards(mesh) == tuple(range(n))
+    assert np.array_equal(np.asarray(batch), parallelize.to_micro_batches(rows, n, 2))

@@ -59,10 +59,10 @@ def disk_full_at_step_4(monkeypatch):
     monkeypatch.setattr(serialization, "async_serialize_from_host", full_disk)
     step = JaxTrainModule.train_step
 
-    def step_outlasting_the_save(self, batch, n, lr, guard):
+    def step_outlasting_the_save(self, batch, n, lr, guard, metrics):
         if n == FAIL_AT + 1 and self.checkpointer._commit is not None:
             self.checkpointer._commit.join()
-        return step(self, batch, n, lr, guard)
+        return step(self, batch, n, lr, guard, metrics)
 
     monkeypatch.setattr(JaxTrainModule, "train_step", step_outlasting_the_save)
 

@@ -173,19 +173,21 @@ def restored_state(run_dir: Path, ckpt: Path) -> tuple:
     import jax
     from flax import nnx
 
-    from olmo_train_jax import sharding
-    from olmo_train_jax.checkpoint import abstract_like, restore_state
+    from olmo_train_jax import parallelize
+    from olmo_train_jax.checkpoint import abstract_like, load_checkpoint
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import make_optimizer
+    from olmo_train_jax.step import make_optimizer
 
     recipe = load_recipe(run_dir / "recipe.yaml", [])
     spec = recipe.model_spec()
     params = nnx.to_pure_dict(nnx.split(nnx.eval_shape(lambda: build_model(spec)))[1])
-    mesh = sharding.make_mesh({"data": -1})
-    params_sh = sharding.param_shardings(params, spec, mesh)
+    mesh = parallelize.build_mesh({"data": -1})
+    params_sh = parallelize.param_shardings(params, spec, mesh)
     abstract_opt = jax.eval_shape(make_optimizer(params, recipe).init, params)
-    opt_sh = sharding.state_shardings(abstract_opt, params_sh, mesh)
-    restored, opt_state, _ = restore_state(ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, opt_sh))
+    opt_sh = parallelize.state_shardings(abstract_opt, params_sh, mesh)
+    restored, opt_state, _ = load_checkpoint(
+        ckpt, abstract_like(params, params_sh), abstract_like(abstract_opt, opt_sh)
+    )
     return restored, opt_state
 
 

@@ -22,10 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 from olmo_model import get_preset
 from olmo_run.recipe import RecipeError, load_recipe
-from olmo_train_jax import sharding
-from olmo_train_jax.head_loss import chunk_positions, head_loss_sums
+from olmo_train_jax import parallelize
+from olmo_train_jax.head_loss import head_chunk, head_loss_sums
 from olmo_train_jax.model import build_model
-from olmo_train_jax.train import decay_mask, for_mesh, step_functions, token_loss_sums
+from olmo_train_jax.step import decay_mask, for_mesh, step_functions, token_loss_sums
 
 
 def test_loss_sums_match_torch_cross_entropy():
@@ -115,10 +115,10 @@ def test_fused_head_loss_chunk_is_sized_per_device():
     shape (8 x 512, vocab 100352) takes 64 positions (8 x 64 x 100352 x 4 = 205 MB; 128 would be
     411 MB); a 512-sequence global batch of 8192 tokens over 64 data-parallel devices holds 8 rows
     per device, so also 64, where sizing by the global batch would give 1-position chunks."""
-    assert chunk_positions(8, 512, 100352) == 64
-    assert chunk_positions(512 // 64, 8192, 100352) == 64
-    assert chunk_positions(512, 8192, 100352) == 1
-    assert chunk_positions(2, 48, 4096) == 48  # tiny shapes: one chunk
+    assert head_chunk(8, 512, 100352) == 64
+    assert head_chunk(512 // 64, 8192, 100352) == 64
+    assert head_chunk(512, 8192, 100352) == 1
+    assert head_chunk(2, 48, 4096) == 48  # tiny shapes: one chunk
 
 
 def test_fused_head_loss_reduces_the_head_gradient_once_per_chunk_under_data_parallel():
@@ -178,7 +178,7 @@ def _numpy_adamw(params, grads_per_step, lrs, recipe, decays):
 
 
 def _flat(tree):
-    return {"/".join(path): np.asarray(leaf) for path, leaf in sharding.tree_paths(tree)}
+    return {"/".join(path): np.asarray(leaf) for path, leaf in parallelize.tree_paths(tree)}
 
 
 def test_fused_step_with_accumulation_matches_numpy_adamw():
@@ -187,7 +187,7 @@ def test_fused_step_with_accumulation_matches_numpy_adamw():
     recipe = load_recipe(
         None, ["--optim.grad_clip=0.05", "--optim.weight_decay=0.1", "--optim.lr=1e-2", "--train.document_masking=true"]
     )
-    mesh = sharding.make_mesh({"data": -1})
+    mesh = parallelize.build_mesh({"data": -1})
     m = for_mesh(build_model(spec, seed=3), spec, recipe, mesh)
     graphdef, params, tx = m.graphdef, m.params, m.tx
     fns = step_functions(m, spec, recipe, mesh)
@@ -260,7 +260,7 @@ def test_partition_specs_by_hand():
     mesh = SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 2})
 
     def ps(path, shape):
-        return sharding.param_partition_spec(path, shape, spec, mesh)
+        return parallelize.param_partition_spec(path, shape, spec, mesh)
 
     assert ps(("layers", "q_proj"), (4, 64, 64)) == P(None, "fsdp", "tensor")
     assert ps(("layers", "k_proj"), (4, 64, 32)) == P(None, "fsdp", "tensor")
@@ -274,17 +274,17 @@ def test_partition_specs_by_hand():
     # tensor=4 does not divide the 2 kv heads: k/v stay unsplit on that axis; fsdp 3 divides
     # neither 64 nor 32, but divides 192 (the MLP hidden, not taken by tensor there).
     odd = SimpleNamespace(shape={"data": 1, "fsdp": 3, "tensor": 4})
-    assert sharding.param_partition_spec(("layers", "v_proj"), (4, 64, 32), spec, odd) == P(None, None, None)
-    assert sharding.param_partition_spec(("layers", "q_proj"), (4, 64, 64), spec, odd) == P(None, None, "tensor")
-    assert sharding.param_partition_spec(("layers", "up_proj"), (4, 64, 192), spec, odd) == P(None, None, "tensor")
-    assert sharding.param_partition_spec(
+    assert parallelize.param_partition_spec(("layers", "v_proj"), (4, 64, 32), spec, odd) == P(None, None, None)
+    assert parallelize.param_partition_spec(("layers", "q_proj"), (4, 64, 64), spec, odd) == P(None, None, "tensor")
+    assert parallelize.param_partition_spec(("layers", "up_proj"), (4, 64, 192), spec, odd) == P(None, None, "tensor")
+    assert parallelize.param_partition_spec(
         ("embed",), (4096, 64), spec, SimpleNamespace(shape={"data": 1, "fsdp": 3, "tensor": 1})
     ) == P(None, None)
 
 
 def test_micro_batches_keep_each_device_rows_local():
     rows = np.arange(8)[:, None] * np.ones((1, 3), int)  # row i holds i
-    micro = sharding.to_micro_batches(rows, local_dp=2, accumulation=2)
+    micro = parallelize.to_micro_batches(rows, local_dp=2, accumulation=2)
     # Device 0 owns rows 0-3, device 1 rows 4-7; each micro-step takes 2 rows from each.
     assert micro.shape == (2, 4, 3)
     assert micro[:, :, 0].tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
@@ -293,10 +293,10 @@ def test_micro_batches_keep_each_device_rows_local():
 def test_mesh_errors_are_one_line():
     n = jax.device_count()
     with pytest.raises(RecipeError, match="needs"):
-        sharding.make_mesh({"data": n + 1, "fsdp": 1, "tensor": 1})
+        parallelize.build_mesh({"data": n + 1, "fsdp": 1, "tensor": 1})
     with pytest.raises(RecipeError, match="expert"):
-        sharding.make_mesh({"data": -1, "expert": 2})
-    mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+        parallelize.build_mesh({"data": -1, "expert": 2})
+    mesh = parallelize.build_mesh({"data": 1, "fsdp": -1, "tensor": 1})
     assert dict(mesh.shape) == {"data": 1, "fsdp": n, "tensor": 1}
 
 
@@ -317,13 +317,13 @@ def test_all_gather_text_is_one_gather_when_every_text_fits_and_two_when_one_doe
         barrier.wait()
         return got
 
-    monkeypatch.setattr(sharding.multihost_utils, "process_allgather", process_allgather)
+    monkeypatch.setattr(parallelize.multihost_utils, "process_allgather", process_allgather)
 
     def both(texts: list[str]) -> list[list[str]]:
         out: list[list[str]] = [[], []]
 
         def one(i: int) -> None:
-            out[i] = sharding.all_gather_text(texts[i])
+            out[i] = parallelize.all_gather_text(texts[i])
 
         threads = [threading.Thread(target=one, args=(i,), name=str(i)) for i in range(2)]
         for t in threads:
@@ -335,8 +335,8 @@ def test_all_gather_text_is_one_gather_when_every_text_fits_and_two_when_one_doe
     for texts, gathers in (
         (["0,1:" + "a" * 32, "2,3:" + "b" * 32], 1),
         (["", "seen"], 1),
-        (["x" * sharding.TEXT_SLOT, ""], 1),  # exactly a slot still fits
-        (["y" * (sharding.TEXT_SLOT + 1), "short"], 2),
+        (["x" * parallelize.TEXT_SLOT, ""], 1),  # exactly a slot still fits
+        (["y" * (parallelize.TEXT_SLOT + 1), "short"], 2),
         (["z" * 1000, "w" * 700], 2),
     ):
         sent[0].clear()

@@ -35,7 +35,7 @@ from olmo_model import get_preset
 from olmo_run.recipe import Recipe, batch_layout
 from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch.parallelize import Distributed, build_mesh
-from olmo_train_torch.train import make_optimizer, start_model, train_step
+from olmo_train_torch.step import make_optimizer, start_model, train_step
 
 ROWS = 4
 

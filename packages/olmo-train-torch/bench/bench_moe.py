@@ -39,7 +39,7 @@ from rich.table import Table
 
 from olmo_model import MoESpec
 from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients, sum_gradients
-from olmo_train_torch.moe import MoE, configure_moe, grouped_matmul, moe_aux_losses
+from olmo_train_torch.moe import MoE, configure_moe, grouped_matmul, routing_stats
 
 D_MODEL, HIDDEN, TOP_K = 128, 64, 4
 EP = 4
@@ -56,7 +56,7 @@ def make_block(n_experts: int, seed: int = 0) -> MoE:
 
 def step(block: MoE, x: torch.Tensor, group=None) -> None:
     out, stats = block(x)
-    aux = moe_aux_losses([stats], group=group)
+    aux = routing_stats([stats], group=group)
     (out.square().mean() + 0.01 * aux.load_balancing).backward()
 
 

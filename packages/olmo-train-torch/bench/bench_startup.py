@@ -1,4 +1,4 @@
-"""Start-up time of the torch trainer's model: build + parallelize + initialise (``train.start_model``),
+"""Start-up time of the torch trainer's model: build + parallelize + initialise (``step.start_model``),
 per rank, with the rank's peak resident memory and the bytes of parameters it holds.
 
     OMP_NUM_THREADS=1 uv run --frozen python -m torch.distributed.run --standalone --nproc-per-node 2 \\
@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from olmo_run.recipe import load_recipe
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh, init_distributed
-from olmo_train_torch.train import start_model
+from olmo_train_torch.step import start_model
 
 
 def _peak_rss() -> int:

@@ -8,7 +8,7 @@ Shape: olmo3-30m (d_model 256, 4 layers, 8 heads, MLP 768, padded vocab 100352, 
 window 4096 on layers 0-2 and layer 3 global, so every layer is effectively causal at this
 length), sequence 512, batch 8, fp32, on this machine's CPU threads. Each contender runs the
 same random batches and a full training step: forward, loss, backward, global-norm clip
-1.0, AdamW. Ours is ``olmo_train_torch.train.train_step`` (z-loss included) eager and with
+1.0, AdamW. Ours is ``olmo_train_torch.step.train_step`` (z-loss included) eager and with
 ``torch.compile`` per block, as the trainer does with ``torch.compile: true``; the head and loss
 are fused over token chunks (head_loss.py) in both modes
 (compile time = first step minus a timed eager step).
@@ -39,11 +39,13 @@ import numpy as np
 import torch
 
 from olmo_model import flops_per_token, get_preset, hf_config, param_counts
+from olmo_run.measure import matmul_peak
 from olmo_run.recipe import batch_layout, load_recipe
 from olmo_run.spike_guard import SpikeGuard
-from olmo_train_torch import build_model, to_hf
+from olmo_train_torch import initial_model, to_hf
 from olmo_train_torch.parallelize import Distributed, parallelize
-from olmo_train_torch.train import make_optimizer, measure_cpu_matmul_peak, train_step
+from olmo_train_torch.step import make_optimizer, train_step
+from olmo_train_torch.train import cpu_matmul
 
 SEQ, BATCH = 512, 8
 OLMO_CORE_PEER = Path(__file__).resolve().parents[3] / "tools" / "bench" / "olmo_core" / "train_peer.py"
@@ -83,7 +85,7 @@ def bench_ours(spec, batches, compile_blocks: bool):
         ],
     )
     one = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     # The trainer's own path: blocks compiled by parallelize, head + loss fused (head_loss.py).
     model = parallelize(model, None, recipe.torch, "fp32", one.device)
     optimizer = make_optimizer(model, recipe, one.device)
@@ -102,7 +104,7 @@ def bench_transformers(spec, batches):
     config = Olmo3Config(**hf_config(spec))
     config._attn_implementation = "sdpa"
     model = Olmo3ForCausalLM(config)
-    model.load_state_dict(to_hf(build_model(spec, seed=0), spec), strict=True)
+    model.load_state_dict(to_hf(initial_model(spec, seed=0), spec), strict=True)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
@@ -180,7 +182,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = get_preset("olmo3-30m")
     batches = _batches(spec.vocab_size, args.steps + 1)
-    peak = measure_cpu_matmul_peak()
+    peak = matmul_peak(cpu_matmul)
     fpt = flops_per_token(spec, SEQ)
     rows = {}
     first_eager, eager = bench_ours(spec, batches, compile_blocks=False)

@@ -14,7 +14,7 @@ the in-process checks and writes what it measured to a JSON file the tests read:
   the reference run on each document alone (RoPE scores depend on q - k only, so a document's
   logits are those of the document by itself: an independent reference for the mask);
 - bytes sent by one forward's sliding and global layers (``ContextParallel.bytes_sent``);
-- 20 steps of ``train.train_step`` for CP = 4 (FSDP over 4) and CP = 2 x data 2 (HSDP 2 x 2),
+- 20 steps of ``step.train_step`` for CP = 4 (FSDP over 4) and CP = 2 x data 2 (HSDP 2 x 2),
   with and without document masking, against a single-process CP = 1 run of the same batches.
 
 The trainer CLI (loader, checkpoints, resume, evaluation) runs separately: CP = 4 on 4 processes
@@ -98,7 +98,7 @@ def _worker(rank: int, port: int, out_path: str) -> None:
     from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch.hf_adapter import model_from_hf
     from olmo_train_torch.parallelize import Distributed, build_context, build_mesh
-    from olmo_train_torch.train import make_optimizer, start_model, train_step
+    from olmo_train_torch.step import make_optimizer, start_model, train_step
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -237,7 +237,7 @@ def test_halo_plan_brings_exactly_the_window():
 def test_bad_context_degrees_are_refused(harness, mixture, capsys):
     """One line naming torch.context_parallel and the fix, before anything runs."""
     from olmo_run.recipe import RecipeError, TorchSection
-    from olmo_train_torch.parallelize import check_context_sequence, check_parallel
+    from olmo_train_torch.parallelize import check_parallel, check_sequence_split
 
     harness.refused(
         capsys,
@@ -245,7 +245,7 @@ def test_bad_context_degrees_are_refused(harness, mixture, capsys):
         "torch.context_parallel=2 does not divide the 1 ranks",
     )
     with pytest.raises(RecipeError, match="sequence length 100 is not a multiple of 8"):
-        check_context_sequence(TorchSection(context_parallel=4), 100)
+        check_sequence_split(TorchSection(context_parallel=4), 100)
     with pytest.raises(RecipeError, match="HSDP shard group of 2 ranks"):
         check_parallel(TorchSection(parallel="hsdp", replicate=4, context_parallel=4), 8)
     with pytest.raises(RecipeError, match="mixture-of-experts model is not supported"):

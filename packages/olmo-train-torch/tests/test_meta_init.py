@@ -1,7 +1,7 @@
-"""The trainer's start-up (``train.start_model``: build on meta, parallelize, allocate and fill only
+"""The trainer's start-up (``step.start_model``: build on meta, parallelize, allocate and fill only
 this rank's shards) on CPU with gloo:
 
-- the full weights, gathered after start-up, are bit for bit those of one process (``build_model``,
+- the full weights, gathered after start-up, are bit for bit those of one process (``initial_model``,
   itself checked against ``olmo_model.init``, whose own tests recompute the scheme from its parts)
   on 2 and 4 processes under FSDP2, HSDP, DDP (with activation checkpointing) and, for the MoE
   spec, expert parallelism (the dense parts under FSDP2 or DDP, EP=2 and EP=4);
@@ -27,10 +27,9 @@ from torch.distributed.tensor import DTensor
 from olmo_model import hf_param_shapes
 from olmo_model.init import init_values
 from olmo_run.recipe import load_recipe
-from olmo_train_torch.hf_adapter import SafetensorsBlocks, to_hf
-from olmo_train_torch.model import build_model
+from olmo_train_torch.hf_adapter import SafetensorsBlocks, initial_model, to_hf
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh
-from olmo_train_torch.train import start_model
+from olmo_train_torch.step import start_model
 
 SEED = 11
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
@@ -90,7 +89,7 @@ def _layout_worker(rank: int, port: int, world: int, tmp: str) -> None:
             got = _gathered(_start(overrides, d))
             if rank == 0:
                 spec = _recipe(overrides).model_spec()
-                _assert_equal(got, build_model(spec, seed=SEED).state_dict(), f"{world} ranks {overrides}")
+                _assert_equal(got, initial_model(spec, seed=SEED).state_dict(), f"{world} ranks {overrides}")
         if world == 2:
             _check_hf_init(d, tmp)
     finally:
@@ -133,7 +132,7 @@ def _check_hf_init(d: Distributed, tmp: str) -> None:
     reads exactly its shards' elements, and the gathered model holds the HF tensors."""
     overrides = ["--model=tiny", "--torch.parallel=fsdp"]
     spec = _recipe(overrides).model_spec()
-    source = build_model(spec, seed=SEED + 1)
+    source = initial_model(spec, seed=SEED + 1)
     files = [os.path.join(tmp, "model.safetensors")]
     if d.rank == 0:
         save_file({k: v.contiguous() for k, v in to_hf(source, spec).items()}, files[0])
@@ -160,12 +159,12 @@ def _spawn(world: int, tmp) -> None:
     start_ranks(_layout_worker, world, world, str(tmp))
 
 
-def test_build_model_holds_the_neutral_init():
-    """One process: ``build_model`` (and the start-up without a process group) hold exactly
+def test_initial_model_holds_the_neutral_init():
+    """One process: ``initial_model`` (and the start-up without a process group) hold exactly
     ``olmo_model.init``'s values under the HF names, experts stacked."""
     for name in ("tiny", "tiny-moe"):
         spec = load_recipe(None, [f"--model={name}"]).model_spec()
-        model = build_model(spec, seed=SEED)
+        model = initial_model(spec, seed=SEED)
         hf = to_hf(model, spec)
         for hf_name in hf_param_shapes(spec):
             assert np.array_equal(hf[hf_name].numpy(), init_values(spec, SEED, hf_name)), hf_name

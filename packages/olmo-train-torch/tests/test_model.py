@@ -19,7 +19,7 @@ from olmo_data.order import IGNORE_INDEX
 from olmo_model import get_preset, hf_config, reference
 from olmo_model.output import ModelOutput
 from olmo_model.rope import rope_inv_freq
-from olmo_train_torch import CheckpointMismatchError, build_model, load_hf, model_from_hf, to_hf
+from olmo_train_torch import CheckpointMismatchError, initial_model, load_hf, model_from_hf, to_hf
 
 transformers.logging.set_verbosity_error()  # tiny-yarn's factor != max_pos/original warns; intended
 
@@ -53,7 +53,7 @@ def assert_logits_match(ours: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4
 def test_matches_transformers(preset, seq):
     spec = get_preset(preset)
     assert seq > spec.sliding_window and "full_attention" in spec.layer_types
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     ids = random_ids(spec, 2, seq)
     with torch.no_grad():
         ours = model(ids).logits
@@ -125,8 +125,8 @@ def test_rope_tables_match_transformers(spec):
 def test_sliding_layers_really_window():
     spec = get_preset("tiny")
     window = spec.sliding_window
-    windowed = build_model(spec, seed=0)
-    full = build_model(spec.replace(sliding_window=None), seed=0)
+    windowed = initial_model(spec, seed=0)
+    full = initial_model(spec.replace(sliding_window=None), seed=0)
     assert set(full.spec.layer_types) == {"full_attention"}
     full.load_state_dict(windowed.state_dict())
     ids = random_ids(spec, 2, 96)
@@ -155,7 +155,7 @@ def test_doc_ids_mask_documents():
     """Chosen semantics: documents cannot attend to each other, RoPE positions keep
     counting across a boundary (Olmo-core style; no position reset)."""
     spec = get_preset("tiny")
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     seq = 96
     ids = random_ids(spec, 2, seq)
     doc_ids = torch.zeros(2, seq, dtype=torch.long)
@@ -177,14 +177,14 @@ def test_doc_ids_mask_documents():
 
 
 def test_doc_ids_shape_is_checked():
-    model = build_model(get_preset("tiny"))
+    model = initial_model(get_preset("tiny"))
     with pytest.raises(ValueError, match="doc_ids has shape"):
         model(torch.zeros(2, 8, dtype=torch.long), doc_ids=torch.zeros(2, 7, dtype=torch.long))
 
 
 def test_init_statistics_and_determinism():
     spec = get_preset("small")
-    model = build_model(spec, seed=11)
+    model = initial_model(spec, seed=11)
     # Variance of N(0, 1) truncated at +-c: 1 - 2 c phi(c) / (2 Phi(c) - 1).
     c = spec.init_cutoff
     phi = math.exp(-c * c / 2) / math.sqrt(2 * math.pi)
@@ -199,9 +199,9 @@ def test_init_statistics_and_determinism():
             assert p.abs().max().item() <= c * spec.init_std, name
         else:
             assert torch.equal(p, torch.ones_like(p)), name
-    same = build_model(spec, seed=11)
-    other = build_model(spec, seed=12)
-    as_bf16 = build_model(spec, seed=11, dtype=torch.bfloat16)
+    same = initial_model(spec, seed=11)
+    other = initial_model(spec, seed=12)
+    as_bf16 = initial_model(spec, seed=11, dtype=torch.bfloat16)
     for (name, p), q, r, h in zip(
         model.named_parameters(), same.parameters(), other.parameters(), as_bf16.parameters(), strict=True
     ):
@@ -214,7 +214,7 @@ def test_init_statistics_and_determinism():
 
 
 def test_inference_mode_call_leaves_caches_usable_for_training():
-    model = build_model(get_preset("tiny"))
+    model = initial_model(get_preset("tiny"))
     ids = random_ids(model.spec, 1, 48)
     with torch.inference_mode():
         evaluated = model(ids).logits
@@ -231,7 +231,7 @@ def test_forward_returns_one_output_type_with_and_without_labels(preset):
     here in float64 from the unfused logits); the MoE layers' stats, the same either way (the
     head does not touch them), or None for a dense spec."""
     spec = get_preset(preset)
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     ids, labels = random_ids(spec, 2, 40), random_ids(spec, 2, 40, seed=2)
     labels[0, :5] = IGNORE_INDEX
     with torch.no_grad():
@@ -261,7 +261,7 @@ def test_forward_returns_one_output_type_with_and_without_labels(preset):
 
 def test_round_trip_through_hf_names():
     spec = get_preset("tiny-gqa")
-    model = build_model(spec, seed=2)
+    model = initial_model(spec, seed=2)
     tensors = {k: v.numpy() for k, v in to_hf(model, spec).items()}
     again = model_from_hf(spec, tensors)
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
@@ -301,7 +301,7 @@ def _put(name, shape):
 )
 def test_bad_checkpoint_is_refused_before_copy(corrupt, needle):
     spec = get_preset("tiny")
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     tensors = {k: np.full(v.shape, 0.5, dtype=np.float32) for k, v in to_hf(model, spec).items()}
     corrupt(tensors)
@@ -315,7 +315,7 @@ def test_bad_checkpoint_is_refused_before_copy(corrupt, needle):
 
 def test_non_strict_load_skips_missing_and_ignores_extra():
     spec = get_preset("tiny")
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     tensors = {k: torch.full(v.shape, 0.5) for k, v in to_hf(model, spec).items()}
     del tensors["model.norm.weight"]
     tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(3)

@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from olmo_model import MoESpec, SpecError, get_preset, param_counts, reference
 from olmo_model.hf_moe import block_tensors_from_olmoe, olmoe_block_tensors, olmoe_config, spec_from_olmoe_config
 from olmo_model.moe import rank_load_max_over_mean
-from olmo_train_torch.hf_adapter import CheckpointMismatchError, load_hf, model_from_hf, to_hf
-from olmo_train_torch.model import build_model
+from olmo_train_torch.hf_adapter import CheckpointMismatchError, initial_model, load_hf, model_from_hf, to_hf
 from olmo_train_torch.moe import (
     MoE,
+    aux_loss,
     configure_moe,
     grouped_matmul,
-    moe_aux_losses,
-    moe_step_metrics,
+    moe_metrics,
     mxfp8_quantize,
     route,
+    routing_stats,
     top_k_lowest_index_on_ties,
 )
 
@@ -69,7 +69,7 @@ def _total_loss(model, spec, ids: torch.Tensor, labels: torch.Tensor) -> torch.T
     flat = logits.float().reshape(-1, logits.shape[-1])
     lse = torch.logsumexp(flat, dim=-1)
     ce = F.cross_entropy(flat, labels.reshape(-1))
-    return ce + spec.z_loss_weight * (lse**2).mean() + moe_aux_losses(stats).weighted(spec.moe)
+    return ce + spec.z_loss_weight * (lse**2).mean() + aux_loss(routing_stats(stats), spec.moe)
 
 
 @functools.cache
@@ -90,7 +90,7 @@ def test_logits_aux_and_loss_match_numpy_reference(variant, gemm):
     with torch.no_grad():
         out = model(torch.from_numpy(ids))
         logits, stats = out.logits, out.moe
-        aux = moe_aux_losses(stats)
+        aux = routing_stats(stats)
         total = _total_loss(model, spec, torch.from_numpy(ids), torch.from_numpy(labels))
     assert len(stats) == (2 if variant != "tiny-moe" else 4)
     np.testing.assert_allclose(logits.double().numpy(), ref_logits, atol=1e-4, rtol=0)
@@ -99,7 +99,7 @@ def test_logits_aux_and_loss_match_numpy_reference(variant, gemm):
     assert abs(float(total) - ref_loss["total"]) < 1e-5
     # Dropless: every (token, slot) of every MoE layer was counted and computed.
     assert int(aux.tokens_per_expert.sum()) == len(stats) * ids.size * spec.moe.top_k
-    assert int(aux.dropped_tokens) == 0
+    assert int(aux.dropped) == 0
 
 
 def _dense_block64(x, gate, wg, wu, wd, shared, moe: MoESpec):
@@ -136,7 +136,7 @@ def test_block_gradients_match_dense_float64(gemm):
     upstream = torch.randn(96, 64)
     x32 = x.clone().requires_grad_()
     out, stats = block(x32)
-    aux = moe_aux_losses([stats])
+    aux = routing_stats([stats])
     ((out * upstream).sum() + 0.5 * aux.load_balancing + 0.25 * aux.router_z).backward()
 
     leaves = {name: p.detach().double().clone().requires_grad_() for name, p in block.named_parameters()}
@@ -221,12 +221,12 @@ def test_hf_adapter_maps_per_expert_names_to_stacked_slices():
     bad = dict(params)
     bad["model.layers.1.mlp.experts.2.down_proj.weight"] = np.zeros((64, 63), np.float32)
     with pytest.raises(CheckpointMismatchError, match=r"experts\.2\.down_proj.*\(64, 63\).*\(64, 64\)"):
-        load_hf(build_model(spec), bad)
+        load_hf(initial_model(spec), bad)
 
 
 def test_dense_spec_returns_no_moe_stats():
     spec = get_preset("tiny")
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     ids = torch.from_numpy(_ids(0))
     with torch.no_grad():
         out = model(ids)
@@ -304,7 +304,7 @@ def test_imbalanced_router_shows_in_rank_load_while_nothing_is_dropped():
         block.router.weight[:4] += 4.0 * direction
     x = 3.0 * direction + 0.3 * torch.randn(512, 64)
     out, stats = block(x)
-    metrics = moe_step_metrics(moe_aux_losses([stats]), ep_size=4)
+    metrics = moe_metrics(routing_stats([stats]), ep_size=4)
     # Every token's 4 slots land on rank 0: its load is 4x the mean over 4 ranks.
     assert metrics["moe_tokens_per_expert"] == [512] * 4 + [0] * 12
     assert metrics["moe_rank_load_max_over_mean"] == 4.0
@@ -326,7 +326,7 @@ def test_imbalanced_router_shows_in_rank_load_while_nothing_is_dropped():
 
 
 def test_bad_knobs_fail_with_clear_messages():
-    model = build_model(get_preset("tiny-moe"))
+    model = initial_model(get_preset("tiny-moe"))
     with pytest.raises(ValueError, match="routing='greedy' is unknown; use one of: learned, random, uniform"):
         configure_moe(model, routing="greedy")
     with pytest.raises(ValueError, match="ep_size=3 does not divide n_experts=8"):

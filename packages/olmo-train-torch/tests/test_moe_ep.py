@@ -27,8 +27,8 @@ from olmo_train_torch.expert_parallel import (
     prepare_expert_parallel,
     reduce_gradients,
 )
-from olmo_train_torch.model import build_model
-from olmo_train_torch.moe import MoE, moe_aux_losses
+from olmo_train_torch.hf_adapter import initial_model
+from olmo_train_torch.moe import MoE, aux_loss, routing_stats
 
 EP = 4
 STEPS = 20
@@ -75,7 +75,7 @@ def _block_case(imbalanced: bool) -> dict:
     upstream = torch.randn(EP * 24, 64)
     block = copy.deepcopy(full)
     out, stats = full(x)
-    aux = moe_aux_losses([stats])
+    aux = routing_stats([stats])
     ((out * upstream).sum() + 0.5 * aux.load_balancing + 0.25 * aux.router_z).backward()
     grads = {name: p.grad for name, p in full.named_parameters()}
     # The ranks get the reference as data (autograd does not cross process boundaries).
@@ -96,7 +96,7 @@ def _check_block(rank, imbalanced, block, x, upstream, out, aux, grads) -> None:
     apply_expert_parallel(block, dist.group.WORLD)
     rows = slice(rank * 24, (rank + 1) * 24)
     got, stats = block(x[rows])
-    got_aux = moe_aux_losses([stats], group=dist.group.WORLD)
+    got_aux = routing_stats([stats], group=dist.group.WORLD)
     ((got * upstream[rows]).sum() + 0.5 * got_aux.load_balancing + 0.25 * got_aux.router_z).backward()
     reduce_gradients(block, dist.group.WORLD)
 
@@ -104,7 +104,7 @@ def _check_block(rank, imbalanced, block, x, upstream, out, aux, grads) -> None:
     torch.testing.assert_close(got_aux.load_balancing, aux.load_balancing.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_aux.router_z, aux.router_z.detach(), atol=1e-6, rtol=1e-6)
     assert torch.equal(got_aux.tokens_per_expert, aux.tokens_per_expert)
-    assert int(got_aux.dropped_tokens) == 0
+    assert int(got_aux.dropped) == 0
     local = slice(rank * 4, (rank + 1) * 4)
     for name, p in block.named_parameters():
         want = grads[name][local] if name.startswith("experts.") else grads[name]
@@ -165,7 +165,7 @@ def _train(model, group, rank: int, world: int, wrapped=None, steps: int = STEPS
         lse = torch.logsumexp(flat, -1)
         ce_sum = F.cross_entropy(flat, labels.reshape(-1), reduction="sum")
         z_sum = (lse * lse).sum()
-        aux = moe_aux_losses(stats, group=group).weighted(spec.moe)
+        aux = aux_loss(routing_stats(stats, group=group), spec.moe)
         (scale * (ce_sum / n_global + spec.z_loss_weight * z_sum / n_global + aux)).backward()
         if group is not None and wrapped is None:
             reduce_gradients(model, group, expert_dp_group)
@@ -198,7 +198,7 @@ def _train_worker(rank: int, port: int, model, one_losses: list[float]) -> None:
 
 
 def test_expert_parallel_training_follows_one_process_for_20_steps():
-    model = build_model(get_preset("tiny-moe").replace(n_layers=2), seed=0)
+    model = initial_model(get_preset("tiny-moe").replace(n_layers=2), seed=0)
     start = copy.deepcopy(model)
     one_losses = _train(model, None, 0, 1)
     assert one_losses[-1] < one_losses[0] - 0.5, f"the run does not learn: {one_losses}"
@@ -241,7 +241,7 @@ def _wrapped_worker(rank: int, port: int, model, one_losses: list[float]) -> Non
 
 
 def test_expert_parallel_with_replicas_and_under_ddp_and_fsdp2_follows_one_process():
-    model = build_model(get_preset("tiny-moe").replace(n_layers=2), seed=0)
+    model = initial_model(get_preset("tiny-moe").replace(n_layers=2), seed=0)
     start = copy.deepcopy(model)
     one_losses = _train(model, None, 0, 1, steps=WRAPPED_STEPS)
     _spawn(_wrapped_worker, start, one_losses)

@@ -15,10 +15,10 @@ from olmo_data import MixtureLoader
 from olmo_model import reference
 from olmo_run.recipe import batch_layout, load_recipe
 from olmo_run.spike_guard import SpikeGuard
-from olmo_train_torch import build_model, to_hf
-from olmo_train_torch.moe import moe_aux_losses
+from olmo_train_torch import initial_model, to_hf
+from olmo_train_torch.moe import routing_stats
 from olmo_train_torch.parallelize import Distributed, parallelize
-from olmo_train_torch.train import make_optimizer, train_step
+from olmo_train_torch.step import make_optimizer, train_step
 
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
 
@@ -47,7 +47,7 @@ def test_train_step_loss_matches_numpy_reference_per_micro_batch(micro_batch):
         None, ["--model=tiny-moe", "--train.precision=fp32", f"--train.micro_batch_size={micro_batch}"]
     )
     spec = recipe.model_spec()
-    model = build_model(spec, seed=1)
+    model = initial_model(spec, seed=1)
     params = {k: v.numpy().copy() for k, v in to_hf(model, spec).items()}
     f64 = copy.deepcopy(model).double()
     batch = _batch()
@@ -94,7 +94,7 @@ def test_train_step_loss_matches_numpy_reference_per_micro_batch(micro_batch):
         flat, lab = logits.reshape(-1, logits.shape[-1]), t_labels[r : r + micro_batch].reshape(-1)
         lse = torch.logsumexp(flat, -1)[lab != -100]
         ce = F.cross_entropy(flat, lab, ignore_index=-100, reduction="sum") / n
-        a = moe_aux_losses(moe_stats)
+        a = routing_stats(moe_stats)
         total = (
             total
             + ce
@@ -119,7 +119,7 @@ def test_two_rank_entry_point_matches_numpy_reference_and_writes_moe_metrics(har
 
     recipe = load_recipe(None, ["--model=tiny-moe"])
     spec = recipe.model_spec()
-    params = {k: v.numpy() for k, v in to_hf(build_model(spec, seed=recipe.train.seed), spec).items()}
+    params = {k: v.numpy() for k, v in to_hf(initial_model(spec, seed=recipe.train.seed), spec).items()}
     batch = MixtureLoader(mixture, 16, prefetch=0).batch_at(0)  # conftest: 16 sequences of 64
     want = reference.loss(spec, params, batch["input_ids"], batch["labels"])
     first = lines[0]
@@ -145,7 +145,7 @@ def test_activation_checkpointing_is_bitwise_and_bf16_autocast_is_close():
     ):
         recipe = load_recipe(None, ["--model=tiny-moe", "--train.precision=fp32", "--torch.parallel=none", *extra])
         spec = recipe.model_spec()
-        model = parallelize(build_model(spec, seed=0), None, recipe.torch, recipe.train.precision, ONE.device)
+        model = parallelize(initial_model(spec, seed=0), None, recipe.torch, recipe.train.precision, ONE.device)
         optimizer = make_optimizer(model, recipe, ONE.device)
         results[name] = [
             train_step(

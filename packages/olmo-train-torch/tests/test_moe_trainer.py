@@ -9,7 +9,7 @@ and ``moe.routing`` through the real entry point and through ``train_step``.
 - uniform and random routing do not depend on the rank layout: the same per-expert counts
   on 1 process and on 4 (EP=4 under FSDP2, EP=2 x 2 replicas under DDP), and the uniform
   counts equal those derived by hand for the global micro-batch;
-- the recipe's ``moe.routing`` / ``moe.mxfp8`` reach every block (``train.prepare_model``);
+- the recipe's ``moe.routing`` / ``moe.mxfp8`` reach every block (``step.prepare_model``);
 - bad layouts (EP not dividing the world size or the experts, EP on a dense spec) stop
   the trainer with one line before anything is written.
 """
@@ -29,10 +29,10 @@ from olmo_model import fp32_mean_tolerance, layout_loss_tolerance
 from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.recipe import RecipeError, batch_layout, load_recipe
 from olmo_run.spike_guard import SpikeGuard
-from olmo_train_torch.model import build_model
+from olmo_train_torch.hf_adapter import initial_model
 from olmo_train_torch.moe import GroupedExperts, MoE
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh, check_parallel
-from olmo_train_torch.train import make_optimizer, prepare_model, train_step
+from olmo_train_torch.step import make_optimizer, prepare_model, train_step
 
 MOE = ["--model=tiny-moe"]
 
@@ -179,7 +179,7 @@ def _step(routing: str, d: Distributed, parallel: str, ep: int, *extra: str) -> 
     )
     spec = recipe.model_spec()
     model = prepare_model(
-        build_model(spec, seed=3), recipe, d, build_mesh(d, recipe.torch), build_expert_mesh(d, recipe.torch)
+        initial_model(spec, seed=3), recipe, d, build_mesh(d, recipe.torch), build_expert_mesh(d, recipe.torch)
     )
     per = ROWS // d.world_size
     batch = {k: v[d.rank * per : (d.rank + 1) * per] for k, v in _batch().items()}
@@ -208,7 +208,7 @@ ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 
 def test_recipe_moe_knobs_reach_the_blocks():
     recipe = load_recipe(None, [*MOE, "--moe.routing=random", "--moe.mxfp8=true", "--torch.parallel=none"])
-    model = prepare_model(build_model(recipe.model_spec(), seed=0), recipe, ONE, None, None)
+    model = prepare_model(initial_model(recipe.model_spec(), seed=0), recipe, ONE, None, None)
     blocks = [m for m in model.modules() if isinstance(m, MoE)]
     assert len(blocks) == LAYERS
     assert all(

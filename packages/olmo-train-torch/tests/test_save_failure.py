@@ -60,10 +60,10 @@ def disk_full_at_step_4(monkeypatch):
     monkeypatch.setattr(FileSystem, "mkdir", mkdir_on_a_full_disk)
     step = TorchTrainModule.train_step
 
-    def step_outlasting_the_save(self, batch, n, lr, guard):
+    def step_outlasting_the_save(self, batch, n, lr, guard, metrics):
         if n == FAIL_AT + 1 and self.checkpointer.pending is not None:
             concurrent.futures.wait([self.checkpointer.pending[0]])
-        return step(self, batch, n, lr, guard)
+        return step(self, batch, n, lr, guard, metrics)
 
     monkeypatch.setattr(TorchTrainModule, "train_step", step_outlasting_the_save)
 

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 from olmo_run.recipe import batch_layout, load_recipe
 from olmo_run.spike_guard import SpikeGuard
-from olmo_train_torch import build_model
+from olmo_train_torch import initial_model
 from olmo_train_torch.head_loss import head_loss_sums
 from olmo_train_torch.parallelize import Distributed
-from olmo_train_torch.train import make_optimizer, train_step
+from olmo_train_torch.step import make_optimizer, train_step
 
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
 
@@ -128,7 +128,7 @@ def _reference_steps(model, batches, recipe, spec):
 def test_two_steps_with_accumulation_match_reference():
     recipe = _recipe("--train.micro_batch_size=2", "--train.document_masking=true")
     spec = recipe.model_spec()
-    model = build_model(spec, seed=3)
+    model = initial_model(spec, seed=3)
     ref_model = copy.deepcopy(model)
     optimizer = make_optimizer(model, recipe, ONE.device)
     layout = batch_layout(4, 1, recipe.train.micro_batch_size)
@@ -161,7 +161,7 @@ def test_two_steps_with_accumulation_match_reference():
 
 def test_embedding_has_no_weight_decay_and_norms_follow_recipe():
     recipe = _recipe("--optim.decay_norms=false")
-    model = build_model(recipe.model_spec(), seed=0)
+    model = initial_model(recipe.model_spec(), seed=0)
     groups = {g["name"]: g for g in make_optimizer(model, recipe, ONE.device).param_groups}
     assert groups["embedding"]["weight_decay"] == 0.0
     assert groups["embedding"]["params"] == [model.embed.weight]
@@ -173,7 +173,7 @@ def test_embedding_has_no_weight_decay_and_norms_follow_recipe():
 def test_spike_guard_skip_leaves_state_unchanged():
     recipe = _recipe()
     spec = recipe.model_spec()
-    model = build_model(spec, seed=0)
+    model = initial_model(spec, seed=0)
     optimizer = make_optimizer(model, recipe, ONE.device)
     before = copy.deepcopy(model.state_dict())
     guard = SpikeGuard(enabled=True, min_history=2, sigma=6.0)

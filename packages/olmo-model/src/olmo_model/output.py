@@ -16,7 +16,7 @@ class ModelOutput(NamedTuple):
     means; only the first entry carries the gradient the trainers use.
 
     ``moe``: the MoE layers' routing statistics in the framework's own type (torch: a list of
-    ``RoutingStats``, one per MoE layer; JAX: one ``MoEStats`` over the stacked layers); None
+    ``RoutingSums``, one per MoE layer; JAX: one ``RoutingStats`` over the stacked layers); None
     for a dense spec."""
 
     logits: Any = None

@@ -12,7 +12,7 @@ replaces it; ``checkpoints.clean_orphans`` removes older ones when the Checkpoin
 Restoring takes abstract arrays that carry the CURRENT mesh's shardings, so a checkpoint
 written on 8 devices restores onto 2 (or onto another fsdp/tensor split).
 
-A run dir on object storage (``olmo_run.storage.URLPath``):
+A run dir on object storage (``olmo_data.fileio.URLPath``):
 
 - ``gs://``: Orbax writes and restores the bucket directly (TensorStore's GCS driver for the
   arrays, etils' gcsfs for the rest; every process writes its own shards). Both read Google's
@@ -21,7 +21,7 @@ A run dir on object storage (``olmo_run.storage.URLPath``):
   own settings, ``TENSORSTORE_GCS_HTTP_URL`` and an anonymous token, unless they are set.
 - ``s3://``: Orbax cannot write S3 directly (orbax-checkpoint 0.12 turns ``s3://bucket`` into
   the relative path ``s3:/bucket`` before TensorStore sees it), so the save is staged in a
-  local folder (``$OLMO_CACHE/run-dirs/...``, under ``storage.local_copy``) and uploaded
+  local folder (``$OLMO_CACHE/run-dirs/...``, under ``run_dir.local_copy``) and uploaded
   through ``olmo_data.fileio`` once Orbax finished, on the commit thread; a restore downloads
   ``state/`` to a local temp folder first. That needs every shard on one host: a multi-process
   JAX run refuses an s3:// run dir (use gs:// or a shared file system).
@@ -54,10 +54,11 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_run.checkpoints import checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
 from olmo_run.errors import TrainingStateError
-from olmo_run.run_dir import storage_error
-from olmo_run.storage import RunPath, URLPath, backend, local_copy
+from olmo_run.run_dir import RunPath, local_copy
 from olmo_run.write_failure import checkpoint_write_failure, os_error_code
 
 STATE_DIR = "state"
@@ -90,7 +91,6 @@ def _staging(ckpt: URLPath) -> Path:
 
 
 def _upload_tree(local: Path, url: URLPath) -> None:
-    from olmo_data import fileio
 
     files = sorted(p for p in local.rglob("*") if p.is_file())
     with ThreadPoolExecutor(max_workers=TRANSFER_THREADS) as pool:
@@ -98,7 +98,6 @@ def _upload_tree(local: Path, url: URLPath) -> None:
 
 
 def _download_tree(url: URLPath, local: Path) -> None:
-    from olmo_data import fileio
 
     def get(name: str) -> None:
         target = local / URLPath(name).relative(url)
@@ -115,7 +114,7 @@ def _storage_failure(err: BaseException, ckpt: RunPath, op: str) -> BaseExceptio
     """A one-line fileio error for a storage failure on a URL checkpoint, else ``err`` itself."""
     if not isinstance(ckpt, URLPath):
         return err
-    found = storage_error(err, ckpt, op)
+    found = fileio.storage_error(err, ckpt, op)
     if found is None:
         return err
     tail = "; the checkpoint has no meta.json, so the previous one stays the latest" if op == "write" else ""
@@ -177,7 +176,7 @@ def _closed_loop_callbacks_to_debug() -> None:
 class Checkpointer:
     """Saves training state every few steps; at most one save is in flight at a time."""
 
-    def __init__(self, run_dir: RunPath, keep: int, async_save: bool):
+    def __init__(self, run_dir: RunPath, *, async_save: bool, keep: int):
         self.run_dir = run_dir
         self.keep = keep
         self.async_save = async_save
@@ -201,12 +200,11 @@ class Checkpointer:
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         self.wait()
         ckpt = checkpoint_dir(self.run_dir, step)
-        fs = backend(ckpt)
         try:
-            if self.is_main and fs.exists(str(ckpt)):
+            if self.is_main and fileio.exists(ckpt):
                 # Only an incomplete save of this step can be here (resume starts after the latest
                 # complete one); Orbax refuses to write into an existing directory.
-                fs.delete(str(ckpt), recursive=True)
+                fileio.delete(ckpt, recursive=True)
             state = {"params": params, "opt_state": opt_state, "step": step}
             if isinstance(ckpt, URLPath) and self.staged:
                 staging = _staging(ckpt)
@@ -270,7 +268,7 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_state(ckpt: RunPath, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
+def load_checkpoint(ckpt: RunPath, abstract_params: Any, abstract_opt_state: Any | None) -> tuple[Any, Any | None, int]:
     """(params, opt_state or None, step) from a checkpoint (local, gs:// or s3://), placed on the
     current mesh. A checkpoint Orbax cannot read (damaged, or of another model) is a one-line
     TrainingStateError; a storage failure a one-line fileio.StorageError."""

@@ -10,7 +10,7 @@ gradient. Here the logits of one chunk of positions exist at a time:
   ``ce + z_weight * z`` with respect to the logits, ``a e - onehot`` (e = exp(logits - max),
   a = (1 + 2 z_weight lse) / sum e per row). That gradient is never formed: ``a`` scales the
   thin sides of the two matmuls that read e, which saves one pass over the [rows, vocab]
-  chunk (olmo3-30m, seq 512, batch 8: head + loss 3.32 -> 3.10 s, ``bench_train.py --pieces``);
+  chunk (olmo3-30m, seq 512, batch 8: head + loss 3.32 -> 3.10 s, ``tools/bench/bench_step_pieces.py``);
   the onehot part, a gather of head columns (d x) and a scatter-add of x rows (d head), is
   taken once for the whole batch (per chunk, a data-parallel step all-reduced it per chunk
   too: twice the head-gradient traffic); the chunk's logits are then dropped;
@@ -41,7 +41,7 @@ from .precision import matmul_precision
 CHUNK_BYTES = HEAD_CHUNK_BYTES
 
 
-def chunk_positions(batch: int, seq_len: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+def head_chunk(batch: int, seq_len: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Largest divisor of ``seq_len`` whose chunk logits (batch x c x vocab float32) fit
     ``chunk_bytes``; at least 1."""
     best = 1
@@ -172,7 +172,7 @@ def head_loss_sums(
     ``x`` [B, S, d] final-normed hidden states, ``head`` [d, V] in the compute dtype, ``labels``
     [B, S]. Only the first value is differentiable (its gradient is exact, computed chunk by
     chunk); ce and z are reported sums. ``chunk``: positions per chunk, a divisor of S
-    (default: ``chunk_positions`` for the B / ``batch_shards`` rows one device holds, since
+    (default: ``head_chunk`` for the B / ``batch_shards`` rows one device holds, since
     under jit ``x`` is the global batch and each device computes only its rows' logits).
     ``seq_shards``: the devices the sequence axis is split over (context parallelism); ``chunk``
     then counts positions of one device's S / seq_shards and must divide that."""
@@ -181,7 +181,7 @@ def head_loss_sums(
         raise ValueError(f"sequence length {S} does not split over {seq_shards} context shards")
     local = S // seq_shards
     if chunk is None:
-        chunk = chunk_positions(max(B // batch_shards, 1), local, head.shape[-1])
+        chunk = head_chunk(max(B // batch_shards, 1), local, head.shape[-1])
     if local % chunk:
         per_shard = f" per context shard ({seq_shards} shards)" if seq_shards > 1 else ""
         raise ValueError(f"head_loss chunk={chunk} does not divide the sequence length {local}{per_shard}")

@@ -16,7 +16,7 @@ The mesh has named axes (``recipe.jax.mesh``; one of them may be -1 = the device
   holds chunks r and 2C-1-r, so causal attention costs every device the same):
   ``global_batch_array`` permutes each row's columns to that order before placing it, and the
   trainer passes each column's true position (``sequence_positions``) to the model, whose
-  attention exchanges keys over the axis (``causal_attention.context_attention``: an all-gather
+  attention exchanges keys over the axis (``context_parallel.context_attention``: an all-gather
   of K/V for global layers, the window's tail from the neighbours for sliding ones). Everything
   else is per token and needs no change; the loss is a sum over tokens, so it does not see the
   order. It is a model-parallel axis for the loader: the devices of one context group read the
@@ -54,8 +54,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -68,9 +67,9 @@ from olmo_model import ModelSpec
 from olmo_model.context import ContextLayout, ContextLayoutError
 from olmo_run.recipe import Recipe, RecipeError
 
-from .causal_attention import ContextSetup
+from .context_parallel import ContextParallel
 from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec
-from .moe import check_gemm
+from .grouped_gemm import check_gemm
 
 CONTEXT_AXIS = "context"
 # In mesh order; the expert and context axes are present only when the recipe asks for more than
@@ -131,7 +130,7 @@ def slurm_task_owns_its_gpus(environ: Mapping[str, str] = os.environ) -> bool:
     return one_task_per_node or len(bound) == 1
 
 
-def initialize_distributed(recipe: Recipe) -> None:
+def init_distributed(recipe: Recipe) -> None:
     """Join the multi-process job when the recipe or the environment asks for it (see
     ``distributed_settings``); a job that cannot be joined is a one-line RecipeError."""
     settings = distributed_settings(recipe)
@@ -175,28 +174,7 @@ def all_gather_text(text: str) -> list[str]:
     return [bytes(row[:n]).decode("ascii") for row, n in zip(rows, lengths, strict=True)]
 
 
-@contextmanager
-def stop_together() -> Iterator[None]:
-    """A start-up block that may fail on some processes only (a file one host cannot read): a
-    process that raises tells the others, which then stop too, with a one-line RecipeError,
-    instead of waiting for it in their first collective. Nothing to tell with one process."""
-    if jax.process_count() == 1:
-        yield
-        return
-    try:
-        yield
-    except Exception:
-        all_gather_text("stopped")
-        raise
-    stopped = [i for i, v in enumerate(all_gather_text("")) if v]
-    if stopped:
-        raise RecipeError(
-            f"process(es) {stopped} of {jax.process_count()} stopped at start-up (their error is in their log); "
-            "nothing was written"
-        )
-
-
-def make_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
+def build_mesh(mesh_axes: dict[str, int], devices: list | None = None) -> Mesh:
     """A (data, fsdp[, expert][, context], tensor) mesh over all devices; a -1 axis takes the devices left."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
@@ -274,7 +252,7 @@ def context_layout(mesh: Mesh, sequence_length: int) -> ContextLayout | None:
         raise RecipeError(f"jax.mesh.context={degree}: {err}") from None
 
 
-def check_mesh_for_sequence(mesh: Mesh, sequence_length: int) -> None:
+def check_sequence_split(mesh: Mesh, sequence_length: int) -> None:
     """Refuse a context degree the sequence cannot be split by (before anything is written)."""
     context_layout(mesh, sequence_length)
 
@@ -284,7 +262,7 @@ def check_layout(mesh: Mesh, recipe: Recipe, spec: ModelSpec, sequence_length: i
     its dry run call this one function): the expert axis against the spec, the context degree
     against the sequence, ``jax.moe_gemm`` against the devices and precision."""
     check_mesh_for_spec(mesh, spec)
-    check_mesh_for_sequence(mesh, sequence_length)
+    check_sequence_split(mesh, sequence_length)
     check_gemm(recipe.jax.moe_gemm, spec, recipe.train.precision, mesh.devices.flat[0])
 
 
@@ -307,7 +285,7 @@ def hidden_spec(mesh: Mesh) -> P:
     return P(batch_axes(mesh), CONTEXT_AXIS if context_size(mesh) > 1 else None, None)
 
 
-def context_setup(mesh: Mesh, spec: ModelSpec) -> ContextSetup | None:
+def build_context(mesh: Mesh, spec: ModelSpec) -> ContextParallel | None:
     """What the model's attention needs to run over the context axis (None without one); the
     heads stay split over tensor inside it when both head counts divide the tensor size."""
     degree = context_size(mesh)
@@ -315,7 +293,7 @@ def context_setup(mesh: Mesh, spec: ModelSpec) -> ContextSetup | None:
         return None
     tensor = mesh.shape["tensor"]
     heads = "tensor" if tensor > 1 and spec.n_heads % tensor == 0 and spec.kv_heads % tensor == 0 else None
-    return ContextSetup(mesh, batch_axes(mesh), degree, CONTEXT_AXIS, heads)
+    return ContextParallel(mesh, batch_axes(mesh), degree, CONTEXT_AXIS, heads)
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

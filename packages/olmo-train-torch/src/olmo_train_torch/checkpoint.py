@@ -18,7 +18,7 @@ and written by a background thread (over its own gloo group, so its collectives 
 interleave with training's); rank 0 writes meta.json only when that write has finished,
 hashing the files first (``checkpoints.commit_checkpoint``).
 
-A run dir on ``gs://`` or ``s3://`` (``olmo_run.storage.URLPath``) is written and read by
+A run dir on ``gs://`` or ``s3://`` (``olmo_data.fileio.URLPath``) is written and read by
 DCP's own fsspec storage writer and reader, on fileio's client for that URL (its endpoint and
 credentials: ``AWS_ENDPOINT_URL`` / ``AWS_*``, Google ADC or ``STORAGE_EMULATOR_HOST``). Every
 rank uploads its own files; rank 0 writes meta.json, one object, after DCP's ``.metadata``:
@@ -52,10 +52,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_run.checkpoints import checkpoint_dir, clean_orphans, commit_checkpoint, prune_checkpoints
 from olmo_run.errors import TrainingStateError
-from olmo_run.run_dir import storage_error
-from olmo_run.storage import RunPath, URLPath, backend
+from olmo_run.run_dir import RunPath
 from olmo_run.write_failure import checkpoint_write_failure, os_error_code
 
 from .parallelize import Distributed
@@ -85,7 +86,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _bucket_fs(url: URLPath) -> Any:
-    from olmo_data import fileio
 
     return fileio.filesystem(str(url))[0]
 
@@ -130,7 +130,7 @@ def _raise_storage(err: BaseException, ckpt: RunPath, op: str) -> None:
     if not isinstance(ckpt, URLPath):
         return
     for cause in _causes(err):
-        if isinstance(cause, BaseException) and (found := storage_error(cause, ckpt, op)) is not None:
+        if isinstance(cause, BaseException) and (found := fileio.storage_error(cause, ckpt, op)) is not None:
             what = "saving" if op == "write" else "loading"
             tail = "; the checkpoint has no meta.json, so the previous one stays the latest" if op == "write" else ""
             raise type(found)(f"{what} checkpoint {ckpt.name}: {found}{tail}") from None
@@ -214,9 +214,8 @@ class Checkpointer:
         """Write model + optimizer for ``step``; meta.json follows once the data is on disk."""
         self.wait()
         ckpt = checkpoint_dir(self.run_dir, step)
-        fs = backend(ckpt)
-        if self.d.is_main and fs.exists(str(ckpt)):
-            fs.delete(str(ckpt), recursive=True)  # an incomplete save of this step from a crashed run
+        if self.d.is_main and fileio.exists(ckpt):
+            fileio.delete(ckpt, recursive=True)  # an incomplete save of this step from a crashed run
         self.d.barrier()
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
@@ -273,11 +272,16 @@ class Checkpointer:
         if self.pending is not None and self.pending[0].done():
             self.wait()
 
+    def close(self) -> None:
+        """End of run: the last save written and committed (the background saves' gloo group
+        is released with the process group)."""
+        self.wait()
+
 
 def load_checkpoint(ckpt: RunPath, d: Distributed, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load model (and optimizer unless None) from a DCP checkpoint onto the current layout;
     ``ckpt`` may be a gs:// / s3:// URL (read with ranged GETs by DCP's fsspec reader)."""
-    if not backend(ckpt).exists(str(ckpt / ".metadata")):
+    if not fileio.exists(ckpt / ".metadata"):
         raise TrainingStateError(f"{ckpt}: no DCP .metadata; this is not a torch checkpoint (or it is damaged)")
     no_dist = not d.initialized
 

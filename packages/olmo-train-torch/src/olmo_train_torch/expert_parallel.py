@@ -33,7 +33,7 @@ Two gradient conventions:
 
 - summed (``reduce_gradients``, no wrapper): each rank's loss is its share of the global
   loss (its tokens' CE over the global token count, plus the aux losses whose gradient
-  flows through its own tokens, ``moe.moe_aux_losses``); dense gradients are summed over
+  flows through its own tokens, ``moe.routing_stats``); dense gradients are summed over
   the data-parallel group, expert gradients over the ranks that hold the same experts
   (``expert_dp_group``; None when ep equals the data-parallel size);
 - averaged (DDP / FSDP2 on the dense parts, ``prepare_expert_parallel``): each rank's loss

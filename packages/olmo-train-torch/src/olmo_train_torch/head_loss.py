@@ -28,7 +28,7 @@ from olmo_model.maths import HEAD_CHUNK_BYTES
 CHUNK_BYTES = HEAD_CHUNK_BYTES
 
 
-def chunk_tokens(n_tokens: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+def head_chunk(n_tokens: int, vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     return max(1, min(n_tokens, chunk_bytes // (4 * vocab)))
 
 
@@ -96,6 +96,6 @@ def head_loss_sums(
     w = weight.to(dtype)
     labels = labels.reshape(-1)
     if chunk is None:
-        chunk = chunk_tokens(x.shape[0], w.shape[0])
+        chunk = head_chunk(x.shape[0], w.shape[0])
     objective, ce, z = _HeadLoss.apply(x, w, labels, float(z_weight), int(chunk))
     return objective, ce.detach(), z.detach()

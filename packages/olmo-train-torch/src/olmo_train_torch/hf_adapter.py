@@ -14,6 +14,7 @@ Sharded start-up (``fill_local_shards``): each parameter of a parallelized model
 rank's block of the full tensor (a DTensor shard, or the whole tensor); the block is filled from a
 ``BlockReader`` that returns HF-named blocks: ``olmo_model.init`` values for a fresh start,
 ``SafetensorsBlocks`` (only the bytes of the block are read) for an HF ``init.checkpoint``.
+``initial_model`` is the unsharded model holding the fresh start's values.
 """
 
 from __future__ import annotations
@@ -139,6 +140,20 @@ def model_from_hf(
     model.to_empty(device="cpu").to(dtype)
     load_hf(model, tensors, strict=True, source=source)
     return model
+
+
+def initial_model(
+    spec: ModelSpec, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> OlmoModel:
+    """An initialised, unsharded model: structure on the meta device, storage on ``device``,
+    then the values of ``olmo_model.init`` for ``seed`` (the weights every layout of the trainer,
+    and the JAX trainer through ``olmo_train_jax.hf_adapter.initial_params``, starts from), cast
+    to ``dtype``."""
+    with torch.device("meta"):
+        model = OlmoModel(spec)
+    model.to_empty(device=device)
+    fill_local_shards(model, init_reader(spec, seed))
+    return model.to(dtype)
 
 
 # ---- sharded start-up ------------------------------------------------------------------------

@@ -21,8 +21,8 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
   in place of SDPA (``context_parallel.py``). Unset, nothing of this runs;
 - SwiGLU MLP with separate gate/up/down projections; no biases anywhere;
 - MoE layers (``spec.is_moe_layer(i)``): the MLP is ``moe.MoE`` (router, routed experts
-  through grouped GEMMs, shared experts); such a block returns ``(x, RoutingStats)`` and the
-  model's output carries the stats to the loss (``ModelOutput.moe``, ``moe_aux_losses``).
+  through grouped GEMMs, shared experts); such a block returns ``(x, RoutingSums)`` and the
+  model's output carries the stats to the loss (``ModelOutput.moe``, ``routing_stats``).
 
 ``OlmoModel.forward(input_ids, doc_ids=None, labels=None)`` returns one type, the
 ``olmo_model.ModelOutput`` both trainers' models return: the logits without ``labels``, the
@@ -49,7 +49,7 @@ from olmo_model.output import ModelOutput
 from olmo_model.rope import rope_inv_freq
 
 from .head_loss import head_loss_sums
-from .moe import MoE, RoutingStats
+from .moe import MoE, RoutingSums
 
 
 class RMSNorm(nn.Module):
@@ -172,7 +172,7 @@ class Block(nn.Module):
 
 
 class MoEBlock(Block):
-    """A decoder layer whose MLP is a mixture of experts; returns (x, RoutingStats)."""
+    """A decoder layer whose MLP is a mixture of experts; returns (x, RoutingSums)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         assert spec.moe is not None
@@ -182,7 +182,7 @@ class MoEBlock(Block):
     # apart by the tuple.
     def forward(  # type: ignore[override]
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionArg
-    ) -> tuple[torch.Tensor, RoutingStats]:
+    ) -> tuple[torch.Tensor, RoutingSums]:
         h = self._attend(x, cos, sin, mask)
         if self.pre_norm:
             m, stats = self.mlp(self.mlp_norm(h))
@@ -209,7 +209,7 @@ class OutputHead(nn.Linear):
 
 class OlmoModel(nn.Module):
     """Olmo 3 decoder: ``forward(input_ids [B,S], doc_ids=None, labels=None) -> ModelOutput``
-    (logits [B,S,padded_vocab] or, with labels, the loss sums; a list of ``RoutingStats``, one
+    (logits [B,S,padded_vocab] or, with labels, the loss sums; a list of ``RoutingSums``, one
     per MoE layer, or None for a dense spec)."""
 
     def __init__(self, spec: ModelSpec):
@@ -309,7 +309,7 @@ class OlmoModel(nn.Module):
             positions = context.positions(seq, device)
             masks = {w: context.attention(w, seq, doc_ids) for w in dict.fromkeys(windows)}
         x = self.embed(input_ids)
-        moe_stats: list[RoutingStats] = []
+        moe_stats: list[RoutingSums] = []
         for i, block in enumerate(self.blocks):
             if context is None:
                 cos, sin = self._rope(i, seq, device)
@@ -324,18 +324,3 @@ class OlmoModel(nn.Module):
         head = self.lm_head(self.final_norm(x), labels)
         moe = moe_stats if self.spec.moe is not None else None
         return ModelOutput(logits=head, moe=moe) if labels is None else ModelOutput(loss_sums=head, moe=moe)
-
-
-def build_model(
-    spec: ModelSpec, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> OlmoModel:
-    """An initialised, unsharded model: structure on the meta device, storage on ``device``,
-    then the values of ``olmo_model.init`` for ``seed`` (the weights every layout of the trainer,
-    and the JAX trainer, starts from), cast to ``dtype``."""
-    from .hf_adapter import fill_local_shards, init_reader  # hf_adapter imports OlmoModel from here
-
-    with torch.device("meta"):
-        model = OlmoModel(spec)
-    model.to_empty(device=device)
-    fill_local_shards(model, init_reader(spec, seed))
-    return model.to(dtype)

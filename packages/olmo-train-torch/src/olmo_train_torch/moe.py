@@ -15,7 +15,7 @@ Maths (the contract shared with the JAX trainer and ``olmo_model.reference``):
 Host syncs on GPU: none on the local path with ``grouped_mm`` (shapes are static: T*k
 rows; group ends stay on the device). They remain in the ``loop`` backend (group sizes),
 in expert parallelism (all-to-all split sizes, ``expert_parallel``) and where metrics are
-read (``moe_step_metrics``, once per logged step).
+read (``moe_metrics``, once per logged step).
 
 Routing modes (a runtime knob, never in the spec; ``configure_moe``):
 ``learned`` (above); ``random``: the scores are i.i.d. uniform numbers, weights are the
@@ -52,25 +52,24 @@ scales in the swizzled block layout (torchao's ``MXLinear`` / MoE training proto
 builds those); Hopper (H100/H200) has FP8 tensor cores but no MX block scaling.
 
 Aux losses need the whole global micro-batch (every data-parallel rank), so the block
-only returns this rank's ``RoutingStats``; ``moe_aux_losses`` reduces them (one
+only returns this rank's ``RoutingSums``; ``routing_stats`` reduces them (one
 all-reduce of 2E+3 numbers per layer) outside the model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from olmo_model import MoESpec
-from olmo_model.moe import E4M3_MAX, MX_BLOCK, RoutingMode, aux_loss, check_routing, moe_train_metrics
-
-if TYPE_CHECKING:  # for annotations only: expert_parallel imports this module
-    from .expert_parallel import ExpertParallelDispatcher
+from olmo_model.moe import E4M3_MAX, MX_BLOCK, RoutingMode, check_routing, moe_train_metrics
+from olmo_model.moe import aux_loss as weighted_aux_loss
 
 GemmBackend = Literal["auto", "grouped_mm", "loop"]
 GEMM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
@@ -203,7 +202,7 @@ class SwiGLU(nn.Module):
 # ---- routing --------------------------------------------------------------------------
 
 
-class RoutingStats(NamedTuple):
+class RoutingSums(NamedTuple):
     """One MoE layer's routing over this rank's tokens of one micro-batch (a NamedTuple, so
     that FSDP2 and activation checkpointing see its tensors as block outputs)."""
 
@@ -286,9 +285,16 @@ def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return order, sizes
 
 
+class Dispatcher(Protocol):
+    """What runs the routed experts on rows held elsewhere (``expert_parallel``'s dispatcher):
+    ``xs`` [N, d] sorted by global expert and ``sizes`` [E] -> expert outputs [N, d], same order."""
+
+    def __call__(self, xs: torch.Tensor, sizes: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
+
+
 class MoE(nn.Module):
     """``router`` (an ``nn.Linear`` d -> E; HF's ``mlp.gate``), routed ``experts`` and optional
-    ``shared_experts``; ``forward(x [..., d]) -> (out [..., d], RoutingStats)``.
+    ``shared_experts``; ``forward(x [..., d]) -> (out [..., d], RoutingSums)``.
 
     ``dispatcher`` is None for local experts; ``expert_parallel.apply_expert_parallel``
     sets one that moves tokens to the ranks owning their experts and back."""
@@ -309,7 +315,7 @@ class MoE(nn.Module):
         # global micro-batch (all ranks hold micro-batches of the same size).
         self.dp_rank = 0
         self.dp_size = 1
-        self.dispatcher: ExpertParallelDispatcher | None = None
+        self.dispatcher: Dispatcher | None = None
 
     def _generator(self, device: torch.device) -> torch.Generator:
         # One stream per (seed, step, micro-step, layer), the same on every rank:
@@ -322,7 +328,7 @@ class MoE(nn.Module):
             seed = (seed * 1_000_003 + part) % (2**63)
         return torch.Generator(device=device).manual_seed(seed)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingSums]:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         learned = self.routing == "learned"
@@ -353,7 +359,7 @@ class MoE(nn.Module):
         for shared in self.shared_experts:
             out = out + shared(tokens)
         lse = torch.logsumexp(logits, dim=-1)
-        stats = RoutingStats(
+        stats = RoutingSums(
             tokens_per_expert=sizes,
             prob_sum=probs.sum(0),
             z_sum=(lse * lse).sum(),
@@ -368,41 +374,40 @@ class MoE(nn.Module):
 
 
 @dataclass
-class MoEAux:
-    """Aux losses averaged over MoE layers, over the global micro-batch; their values are
-    global, their gradients flow through this rank's tokens only, so summing the ranks'
-    gradients (or averaging rank-count-scaled losses, as DDP/FSDP do) gives the gradient
-    of the global loss."""
+class RoutingStats:
+    """Routing of the MoE layers over the global micro-batch (the JAX trainer's type of the same
+    name): aux losses averaged over layers, counts summed. The losses' values are global, their
+    gradients flow through this rank's tokens only, so summing the ranks' gradients (or
+    averaging rank-count-scaled losses, as DDP/FSDP do) gives the gradient of the global loss."""
 
     load_balancing: torch.Tensor  # [] E * sum_e f_e P_e, mean over layers
     router_z: torch.Tensor  # [] mean over tokens of logsumexp(logits)^2, mean over layers
     tokens_per_expert: torch.Tensor  # [E] int64, global, summed over layers
-    dropped_tokens: torch.Tensor  # [] int64, global, summed over layers
+    dropped: torch.Tensor  # [] int64, global, summed over layers
 
-    def weighted(self, moe: MoESpec, routing: RoutingMode = "learned") -> torch.Tensor:
-        """The aux term of the training loss: lb_weight * lb + router_z_weight * router_z,
-        zero for random/uniform routing (whose router is not trained)."""
-        return aux_loss(self.load_balancing, self.router_z, moe, routing)
+
+def aux_loss(stats: RoutingStats, moe: MoESpec, routing: RoutingMode = "learned") -> torch.Tensor:
+    """The aux term of the training loss: lb_weight * lb + router_z_weight * router_z,
+    zero for random/uniform routing (whose router is not trained)."""
+    return weighted_aux_loss(stats.load_balancing, stats.router_z, moe, routing)
 
 
 def _global(local: torch.Tensor, group) -> torch.Tensor:
     """The sum over ``group`` of ``local``, differentiable only through ``local``."""
     if group is None:
         return local
-    import torch.distributed as dist
-
     total = local.detach().clone()
     dist.all_reduce(total, group=group)
     return local + (total - local.detach())
 
 
-def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
+def routing_stats(stats: list[RoutingSums], group=None) -> RoutingStats:
     """Load-balancing and router z-loss over the global micro-batch (the ranks of
     ``group``, the data-parallel group; None: this process only). One all-reduce of
     2E+3 numbers per layer (counts, probability sums, z sum, tokens, dropped); counts
     carry no gradient, P_e and the z sums do."""
     if not stats:
-        raise ValueError("moe_aux_losses: no RoutingStats; the model has no MoE layer (spec.moe is null)")
+        raise ValueError("routing_stats: no RoutingSums; the model has no MoE layer (spec.moe is null)")
     lbs, zs, counts, dropped = [], [], [], []
     for s in stats:
         n_experts = s.tokens_per_expert.shape[0]
@@ -427,7 +432,7 @@ def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
         lbs.append(n_experts * (f * prob_sum / n).sum())
         zs.append(z_sum / n)
         counts.append(count.round().long())
-    return MoEAux(
+    return RoutingStats(
         torch.stack(lbs).mean(),
         torch.stack(zs).mean(),
         torch.stack(counts).sum(0),
@@ -435,25 +440,25 @@ def moe_aux_losses(stats: list[RoutingStats], group=None) -> MoEAux:
     )
 
 
-def merge_micro_steps(terms: list[MoEAux]) -> MoEAux:
+def merge_micro_steps(terms: list[RoutingStats]) -> RoutingStats:
     """One step's aux over its accumulation micro-steps: losses averaged, counts summed."""
-    return MoEAux(
+    return RoutingStats(
         torch.stack([t.load_balancing.detach() for t in terms]).mean(),
         torch.stack([t.router_z.detach() for t in terms]).mean(),
         torch.stack([t.tokens_per_expert for t in terms]).sum(0),
-        torch.stack([t.dropped_tokens for t in terms]).sum(),
+        torch.stack([t.dropped for t in terms]).sum(),
     )
 
 
-def moe_step_metrics(aux: MoEAux, ep_size: int) -> dict[str, float | int | list[int]]:
+def moe_metrics(stats: RoutingStats, ep_size: int) -> dict[str, float | int | list[int]]:
     """The MoE keys of a train line: tokens per expert summed over MoE layers,
     per expert-parallel rank load max/mean, dropped assignments (measured: rows sent to
     the experts minus rows returned; 0 for this dropless block), the unweighted aux losses."""
     return moe_train_metrics(
-        aux.tokens_per_expert.cpu().numpy(),
-        int(aux.dropped_tokens),
-        float(aux.load_balancing.detach()),
-        float(aux.router_z.detach()),
+        stats.tokens_per_expert.cpu().numpy(),
+        int(stats.dropped),
+        float(stats.load_balancing.detach()),
+        float(stats.router_z.detach()),
         ep_size,
     )
 

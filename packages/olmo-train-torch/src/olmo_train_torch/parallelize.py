@@ -36,7 +36,7 @@ reduce_dtype=fp32)`` over fp32 master weights; DDP and ``none`` use ``torch.auto
 instead (see ``autocast_context``). Activation checkpointing (``checkpoint_wrapper``,
 non-reentrant) and ``torch.compile`` apply per block, before sharding, as torchtitan orders
 them. The trainer parallelizes a model built on the meta device and gives it values only then,
-this rank's shards only (``parallelize(..., materialize=...)``, ``train.start_model``).
+this rank's shards only (``parallelize(..., materialize=...)``, ``step.start_model``).
 
 A single process started without torchrun gets no process group at all: the model is
 not wrapped, and checkpoints go through DCP's no-process-group path.
@@ -197,7 +197,7 @@ def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | Non
         )
 
 
-def check_context_sequence(section: TorchSection, sequence_length: int) -> None:
+def check_sequence_split(section: TorchSection, sequence_length: int) -> None:
     """Refuse a context degree the sequence cannot be split by (2 x degree equal chunks)."""
     cp = section.context_parallel
     if cp > 1 and sequence_length % (2 * cp):
@@ -205,6 +205,13 @@ def check_context_sequence(section: TorchSection, sequence_length: int) -> None:
             f"torch.context_parallel={cp} splits each sequence into {2 * cp} equal chunks, but the sequence "
             f"length {sequence_length} is not a multiple of {2 * cp}; choose a degree whose double divides it"
         )
+
+
+def check_layout(section: TorchSection, world_size: int, spec: ModelSpec, sequence_length: int) -> None:
+    """Every check of the recipe's torch section against the ranks, the spec and the sequence,
+    before anything is written (the trainer and its dry run call this one function)."""
+    check_parallel(section, world_size, spec)
+    check_sequence_split(section, sequence_length)
 
 
 def build_context(section: TorchSection, device_type: str) -> ContextParallel | None:
