@@ -25,10 +25,11 @@ from ranks import run_cli_forked
 
 import olmo_run  # noqa: F401  (serves gs:// and s3:// paths)
 from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_model import layout_loss_tolerance
 from olmo_run.checkpoints import complete_checkpoints, read_verified_meta
 from olmo_run.metrics import read_metrics
-from olmo_run.storage import URLPath, local_copy
+from olmo_run.run_dir import local_copy
 
 pytest_plugins = ["object_store"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -39,10 +39,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from olmo_data import fileio
 from olmo_model import hf_param_shapes, load_spec
 from olmo_run.checkpoints import commit_checkpoint, read_verified_meta, training_meta
 from olmo_run.recipe import load_recipe
-from olmo_run.run_dir import write_atomic
 
 RESULTS = Path(__file__).parent / "results"
 # DCP announces on every call that it runs without a process group, which is the point here.
@@ -153,7 +153,7 @@ def bench(fmt, root: Path, meta: dict, repeats: int) -> dict[str, list[float]]:
             ckpt.mkdir(parents=True)
 
         def save_plain():
-            out["save"].append(timed(lambda: (fmt.save(plain), write_atomic(plain / "meta.json", json.dumps(meta)))))
+            out["save"].append(timed(lambda: (fmt.save(plain), fileio.write_text(plain / "meta.json", json.dumps(meta)))))
 
         def save_summed():
             saved = timed(lambda: fmt.save(summed))

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from olmo_data import fileio
 from olmo_run.checkpoints import (
     CHECKPOINT_FORMAT,
     UNCHECKED_FORMAT,
@@ -266,3 +267,16 @@ def test_clean_orphans_removes_what_interrupted_saves_and_writes_left(run, capsy
     assert len(capsys.readouterr().out.splitlines()) == 6
     assert [s for s, _ in complete_checkpoints(run)] == [10, 20]
     assert resume(run)[0] == 20
+
+
+def test_clean_orphans_removes_the_temporaries_of_fileio_writes_whose_process_is_gone(run, capsys):
+    gone = dead_pid()
+    writer = fileio.AtomicWriter(run / "spec.json")  # open: its temporary is beside spec.json
+    (temp,) = [name for name in os.listdir(run) if name.startswith(f".spec.json.tmp-{os.getpid()}-")]
+    orphan = run / temp.replace(f".tmp-{os.getpid()}-", f".tmp-{gone}-")
+    os.link(run / temp, orphan)  # the same temporary, as a process that died would have left it
+    clean_orphans(run)
+    assert not orphan.exists() and (run / temp).exists()  # a live writer's is kept
+    assert capsys.readouterr().out == f"removed {orphan}: temporary file of a write that never finished\n"
+    writer.abort()
+    assert not (run / temp).exists()

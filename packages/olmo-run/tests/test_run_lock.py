@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_run import lock, plan_run, run
 from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.cli import INPUT_ERRORS, run_cli
 from olmo_run.lock import RUN_LOCK_FILE, RunLockError, acquire
-from olmo_run.storage import URLPath
 
 pytest_plugins = ["object_store"]
 

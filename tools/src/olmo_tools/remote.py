@@ -21,9 +21,11 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_run.errors import TrainingStateError
 from olmo_run.init_source import resolve_checkpoint
-from olmo_run.storage import URLPath, is_url, run_path
+from olmo_run.run_dir import run_path
 
 from .checkpoint import CheckpointError
 
@@ -34,7 +36,7 @@ DOWNLOAD_THREADS = 8
 
 def refuse_remote_destination(dst: str) -> None:
     kind, _, path = dst.partition(":")
-    if is_url(path):
+    if fileio.is_remote(path):
         raise CheckpointError(
             f"{dst}: olmo-convert writes local destinations; write {kind}:LOCAL_DIR, then upload it "
             "(gcloud storage cp -r / aws s3 cp --recursive)"
@@ -45,7 +47,7 @@ def fetch_source(src: str) -> str:
     """``src`` unchanged when local; for a trainer checkpoint on gs:// or s3://, the same kind
     naming a local copy of that checkpoint (removed when the process exits)."""
     kind, _, path = src.partition(":")
-    if not is_url(path):
+    if not fileio.is_remote(path):
         return src
     if kind not in TRAINER_KINDS:
         raise CheckpointError(
@@ -53,7 +55,6 @@ def fetch_source(src: str) -> str:
             f"s3://; download the {kind}: folder first and name the local copy"
         )
     import olmo_run.run_dir  # noqa: F401  (serves gs:// and s3:// paths)
-    from olmo_data import fileio
 
     url = run_path(path)
     assert isinstance(url, URLPath)

@@ -33,10 +33,10 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from olmo_data import fileio
 from olmo_model import ModelSpec
 from olmo_run.metrics import read_metrics
 from olmo_run.recipe import Recipe, RecipeError, load_recipe
-from olmo_run.run_dir import write_atomic
 
 from .checkpoint import CheckpointError, require_jax
 from .formats import atomic_destination, write_hf
@@ -174,7 +174,7 @@ def run_train_parity(args: argparse.Namespace) -> int:
         "loss",
     )
     report = _report(args, recipe, spec, out, png, wall, result, failures)
-    write_atomic(out / "parity.json", json.dumps(report, indent=2))
+    fileio.write_text(out / "parity.json", json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report))
     else:

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from olmo_data import fileio
 from olmo_model import ModelSpec, hf_param_shapes
 from olmo_run.checkpoints import complete_checkpoints, training_meta
 from olmo_run.errors import TrainingStateError
 from olmo_run.init_source import resolve_checkpoint
 from olmo_run.recipe import Recipe, RecipeError, load_recipe, recipe_from_dict
-from olmo_run.run_dir import write_atomic
 
 from .checkpoint import CheckpointError, Location, parse_location, require_jax, spec_disagreement, verified_trainer_meta
 from .dcp import DCP_METADATA, DCPDir
@@ -307,8 +307,8 @@ def write_training_state(state: TrainingState, dst: str, *, overwrite: bool = Fa
     _mixture_fits(state, recipe, str(target))
     with atomic_destination(target, overwrite) as tmp:
         tmp.mkdir(parents=True)
-        write_atomic(tmp / "recipe.yaml", recipe.to_yaml())
-        write_atomic(tmp / "spec.json", state.spec.model_dump_json(indent=2))
+        fileio.write_text(tmp / "recipe.yaml", recipe.to_yaml())
+        fileio.write_text(tmp / "spec.json", state.spec.model_dump_json(indent=2))
         _WRITERS[framework](tmp, state, recipe, _target_meta(state, framework, recipe))
     return target
 

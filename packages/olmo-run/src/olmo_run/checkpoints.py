@@ -18,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_model.spec import ModelSpec
 
 from .errors import CheckpointDamagedError, TrainingStateError, loud
 from .recipe import Recipe
-from .run_dir import write_atomic
-from .storage import RunPath, URLPath, backend
+from .run_dir import RunPath
 
 META_FILE = "meta.json"
 # Format /2 lists every other file of the checkpoint with its size and sha256 (meta["files"]);
@@ -31,7 +32,7 @@ META_FILE = "meta.json"
 CHECKPOINT_FORMAT = "olmo-twin-checkpoint/2"
 UNCHECKED_FORMAT = "olmo-twin-checkpoint/1"
 _META_KEYS = ("framework", "step", "spec", "recipe", "loader_state")
-_ATOMIC_TEMP = re.compile(r"\..+\.tmp-(\d+)")  # write_atomic's temporaries
+_ATOMIC_TEMP = re.compile(r"\..+\.tmp-(\d+)(?:-\w+)?")  # fileio's atomic-write temporaries (.NAME.tmp-PID-RANDOM)
 _CONVERT_STAGING = re.compile(r"\.convert-(\d+)")  # olmo-convert's staging dir inside checkpoints/
 
 
@@ -65,12 +66,11 @@ def complete_checkpoints(run_dir: RunPath) -> list[tuple[int, RunPath]]:
     (on object storage: after every other object of it was uploaded), so an interrupted save
     never counts."""
     root = run_dir / "checkpoints"
-    fs = backend(root)
     out: list[tuple[int, RunPath]] = []
-    for name in fs.listdir(str(root)):
+    for name in fileio.listdir(root):
         p = root / name
         step = _step_of(p)
-        if step is not None and fs.exists(str(p / META_FILE)):
+        if step is not None and fileio.exists(p / META_FILE):
             out.append((step, p))
     return sorted(out, key=lambda sp: sp[0])
 
@@ -92,7 +92,7 @@ def training_meta(
 def read_meta(ckpt: RunPath) -> dict[str, Any]:
     path = ckpt / META_FILE
     try:
-        meta = json.loads(backend(path).read_bytes(str(path)).decode())
+        meta = json.loads(fileio.read_text(path))
     except FileNotFoundError:
         raise TrainingStateError(f"{ckpt}: no meta.json; this is not a complete checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -104,7 +104,7 @@ def read_meta(ckpt: RunPath) -> dict[str, Any]:
 
 
 def _sha256(path: RunPath) -> str:
-    return backend(path).sha256(str(path))
+    return fileio.sha256(path)
 
 
 def _sha256_all(paths: list[RunPath]) -> list[str]:
@@ -116,7 +116,7 @@ def _sha256_all(paths: list[RunPath]) -> list[str]:
 
 def _files_below(folder: RunPath) -> list[str]:
     """Every file below ``folder``, as paths relative to it (posix separators), sorted."""
-    found = backend(folder).find(str(folder))
+    found = fileio.find(folder)
     if isinstance(folder, URLPath):
         return sorted(URLPath(f).relative(folder) for f in found)
     return sorted(Path(f).relative_to(folder).as_posix() for f in found)
@@ -124,14 +124,11 @@ def _files_below(folder: RunPath) -> list[str]:
 
 def checkpoint_files(ckpt: RunPath) -> dict[str, dict[str, Any]]:
     """{path relative to ckpt: {"bytes", "sha256"}} of every file in the checkpoint except
-    meta.json, which records them, and its write_atomic temporaries. On object storage this
+    meta.json, which records them, and its atomic-write temporaries. On object storage this
     reads the checkpoint back once: what is recorded is what the bucket holds."""
     rels = [r for r in _files_below(ckpt) if not (r == META_FILE or r.startswith(f".{META_FILE}.tmp-"))]
-    fs = backend(ckpt)
     paths = [ckpt / r for r in rels]
-    return {
-        rel: {"bytes": fs.size(str(p)), "sha256": digest} for rel, p, digest in zip(rels, paths, _sha256_all(paths))
-    }
+    return {rel: {"bytes": fileio.size(p), "sha256": digest} for rel, p, digest in zip(rels, paths, _sha256_all(paths))}
 
 
 def verify_checkpoint(ckpt: RunPath, meta: dict[str, Any]) -> None:
@@ -150,11 +147,10 @@ def verify_checkpoint(ckpt: RunPath, meta: dict[str, Any]) -> None:
         raise CheckpointDamagedError(
             f"{ckpt / META_FILE}: format {meta.get('format')!r} but no valid 'files' list; the checkpoint is damaged"
         ) from None
-    fs = backend(ckpt)
     for path, size, _ in listed:
-        if not fs.isfile(str(path)):
+        if not fileio.isfile(path):
             raise CheckpointDamagedError(f"{path}: missing ({size} bytes when committed); the checkpoint is damaged")
-        if (got_size := fs.size(str(path))) != size:
+        if (got_size := fileio.size(path)) != size:
             raise CheckpointDamagedError(f"{path}: {got_size} bytes, {size} when committed; the checkpoint is damaged")
     for (path, _, want), got in zip(listed, _sha256_all([p for p, _, _ in listed])):
         if got != want:
@@ -175,15 +171,14 @@ def commit_checkpoint(ckpt: RunPath, meta: dict[str, Any]) -> None:
     the size and sha256 of every other file of the checkpoint ("files"), is written last and
     atomically (on object storage: one PUT after every other object was uploaded; a failed
     PUT leaves no meta.json, so the previous checkpoint stays the latest)."""
-    write_atomic(ckpt / META_FILE, json.dumps({**meta, "files": checkpoint_files(ckpt)}, indent=2))
+    fileio.write_text(ckpt / META_FILE, json.dumps({**meta, "files": checkpoint_files(ckpt)}, indent=2))
 
 
 def _remove_checkpoint(path: RunPath) -> None:
     # meta.json first: a removal cut short leaves an incomplete checkpoint, never a complete
     # one with files missing. On object storage the rest goes object by object.
-    fs = backend(path)
-    fs.delete(str(path / META_FILE))
-    fs.delete(str(path), recursive=True)
+    fileio.delete(path / META_FILE)
+    fileio.delete(path, recursive=True)
 
 
 def prune_checkpoints(run_dir: RunPath, keep: int, committed: int | None = None) -> None:
@@ -204,7 +199,7 @@ def clean_orphans(run_dir: RunPath) -> None:
     dirs without meta.json (a save that was killed or failed, a full disk's
     ``state.orbax-checkpoint-tmp`` say, or a prune cut short: the run resumes from the newest
     complete checkpoint, so none of them is ever read, and a full disk gets their room back
-    before the run writes again), and write_atomic temporaries (.NAME.tmp-PID) and
+    before the run writes again), and atomic-write temporaries (.NAME.tmp-PID-RANDOM) and
     olmo-convert staging dirs (checkpoints/.convert-PID) of processes no longer alive. Called
     by the main process at start-up, after every check passed (one run owns its run dir).
     On object storage only the step_* objects are cleaned: uploads leave no temporaries, and a
@@ -212,21 +207,20 @@ def clean_orphans(run_dir: RunPath) -> None:
     done = complete_checkpoints(run_dir)
     stale: list[tuple[RunPath, str, bool]] = []  # (path, why, is a folder)
     root = run_dir / "checkpoints"
-    fs = backend(run_dir)
     local = not isinstance(run_dir, URLPath)
-    for name in fs.listdir(str(root)):
+    for name in fileio.listdir(root):
         p = root / name
         step, staging = _step_of(p), _CONVERT_STAGING.fullmatch(name)
         if local and staging and not pid_alive(int(staging[1])):
             stale.append((p, "staging dir of an olmo-convert that is gone", True))
-        elif step is not None and not fs.exists(str(p / META_FILE)):
+        elif step is not None and not fileio.exists(p / META_FILE):
             stale.append((p, "no meta.json (an interrupted or failed save, or prune)", True))
     for folder in (run_dir, *(p for _, p in done)) if local else ():
-        for name in fs.listdir(str(folder)):
+        for name in fileio.listdir(folder):
             p = folder / name
             temp = _ATOMIC_TEMP.fullmatch(name)
-            if temp and fs.isfile(str(p)) and not pid_alive(int(temp[1])):
+            if temp and fileio.isfile(p) and not pid_alive(int(temp[1])):
                 stale.append((p, "temporary file of a write that never finished", False))
     for p, why, is_folder in stale:
-        fs.delete(str(p), recursive=is_folder)
+        fileio.delete(p, recursive=is_folder)
         print(f"removed {p}: {why}", flush=True)

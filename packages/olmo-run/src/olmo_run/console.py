@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .metrics import read_metrics
-from .storage import RunPath, local_copy
+from .run_dir import RunPath, local_copy
 
 
 class ProgressConsole:

@@ -36,10 +36,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from olmo_data import Mixture, MixtureLoader, open_training_mixture
+from olmo_data import Mixture, MixtureLoader, fileio, open_training_mixture
 from olmo_data.digest import combine_digests, loader_rows, rows_digest
+from olmo_data.fileio import URLPath
 from olmo_model import ModelSpec, flops_per_token, mfu
-from olmo_run import run_dir as _run_dir  # serves gs:// and s3:// run dirs
+from olmo_run import run_dir as _run_dir
 from olmo_run.checkpoints import checkpoint_dir, training_meta
 from olmo_run.console import ProgressConsole, print_summary
 from olmo_run.init_source import InitSource, resolve_init
@@ -49,10 +50,9 @@ from olmo_run.metrics import TRAIN_KEYS, MetricsLog, eval_logged, final_eval_pen
 from olmo_run.preempt import Preempted, PreemptionWatch
 from olmo_run.recipe import BatchLayout, Recipe, RecipeError, batch_layout
 from olmo_run.resume import find_resume
-from olmo_run.run_dir import prepare_run_dir, write_atomic
+from olmo_run.run_dir import RunPath, local_copy, prepare_run_dir
 from olmo_run.sinks import open_sinks
 from olmo_run.spike_guard import SpikeGuard, refuse_non_finite_state
-from olmo_run.storage import RunPath, URLPath, backend, local_copy
 
 # Process 0's marker in the run dir while the processes check that they share it.
 SHARED_CHECK_FILE = ".shared-run-dir-check"
@@ -219,7 +219,7 @@ def check_shared_run_dir(
             created = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
             run_dir.mkdir(parents=True, exist_ok=True)
             token = secrets.token_hex(16)
-            write_atomic(marker, token)
+            fileio.write_text(marker, token)
         except OSError as err:
             token, failure = "", f"{type(err).__name__}: {err.strerror or err}"
     token = all_gather(token)[0]
@@ -503,10 +503,9 @@ class Run:
         if not isinstance(run_dir, URLPath):
             return
         local = local_copy(run_dir)
-        target = backend(run_dir)
         for path in sorted((local / folder).rglob("*")):
             if path.is_file():
-                target.upload(str(path), str(run_dir / path.relative_to(local).as_posix()))
+                fileio.put_file(path, run_dir / path.relative_to(local).as_posix())
 
     def finish(self, title: str) -> None:
         if self.is_main:

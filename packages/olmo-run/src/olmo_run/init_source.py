@@ -18,7 +18,7 @@ length, window) may differ, which is how stage 3 adds YaRN. A checkpoint of the 
 framework is refused with the olmo-convert command that turns it into one of this framework.
 
 A checkpoint, ``RUN/checkpoints/latest`` or a run dir may be a ``gs://`` / ``s3://`` URL
-(``storage.URLPath``); the trainers' checkpointers read it from the bucket. An ``hf:`` folder
+(``fileio.URLPath``); the trainers' checkpointers read it from the bucket. An ``hf:`` folder
 is local (download it first).
 """
 
@@ -28,6 +28,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_model.hf import hf_param_shapes, spec_from_hf_config
 from olmo_model.presets import SpecError
 from olmo_model.spec import ModelSpec
@@ -35,7 +37,7 @@ from olmo_model.spec import ModelSpec
 from .checkpoints import complete_checkpoints, read_meta, read_verified_meta
 from .errors import CheckpointDamagedError, TrainingStateError
 from .recipe import Recipe, RecipeError
-from .storage import RunPath, URLPath, backend, run_path
+from .run_dir import RunPath, run_path
 
 HF_PREFIX = "hf:"
 LATEST = "latest"
@@ -72,18 +74,17 @@ class InitSource:
 def resolve_checkpoint(path: RunPath) -> tuple[int, RunPath]:
     """(step, dir) of a complete checkpoint named by its dir, by ``RUN/checkpoints/latest`` or
     by a run dir (its latest complete checkpoint); local or a URL."""
-    fs = backend(path)
     if path.name == LATEST:
         run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
         return _latest(run, str(path))
-    if fs.isfile(str(path / "meta.json")):
+    if fileio.isfile(path / "meta.json"):
         meta = read_meta(path)
         return int(meta["step"]), path
-    if path.name.startswith("step_") and fs.isdir(str(path)):
+    if path.name.startswith("step_") and fileio.isdir(path):
         raise TrainingStateError(
             f"{path}: no meta.json, so the save never finished; use an earlier complete checkpoint"
         )
-    if fs.isdir(str(path / "checkpoints")):
+    if fileio.isdir(path / "checkpoints"):
         return _latest(path, str(path))
     raise TrainingStateError(
         f"{path}: neither a checkpoint (no meta.json) nor a run dir (no checkpoints/); "

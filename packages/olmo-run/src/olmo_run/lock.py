@@ -9,7 +9,7 @@ takes ``<run dir>/RUN_LOCK``, a small JSON record::
 
 - A local run dir: the file is created with ``O_CREAT | O_EXCL``, so of two starts exactly
   one creates it.
-- A ``gs://`` / ``s3://`` run dir: through ``olmo_run.storage``'s backend, the record is
+- A ``gs://`` / ``s3://`` run dir: through ``olmo_data.fileio``, the record is
   written and read back, and the token must be ours. The stores have no create-if-absent
   here, so this is best effort: two starts within one round trip of each other can both
   believe they hold it. The heartbeat check below catches that within one interval.
@@ -49,10 +49,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from olmo_data import fileio
 from olmo_data.fileio import StorageError
+from olmo_run.checkpoints import pid_alive
 from olmo_run.recipe import RecipeError
-from olmo_run.run_dir import write_atomic
-from olmo_run.storage import RunPath, backend
+from olmo_run.run_dir import RunPath
 
 RUN_LOCK_FILE = "RUN_LOCK"
 # Seconds between the holder's heartbeat writes (the driver loop calls refresh every step).
@@ -75,21 +76,11 @@ def _iso(moment: datetime) -> str:
     return moment.isoformat()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: it exists
-        return True
-    return True
-
-
 def _read(path: RunPath) -> dict[str, Any] | None:
     """The lock's record; None when there is no lock. A file that does not parse (being
     written this instant, or damaged) is a record of its own, held by nobody known."""
     try:
-        raw = backend(path).read_bytes(str(path))
+        raw = fileio.read_bytes(path)
     except FileNotFoundError:  # fileio's StorageNotFoundError is one too
         return None
     try:
@@ -112,7 +103,7 @@ def _stale(record: dict[str, Any], host: str) -> str | None:
         return None
     if beat.tzinfo is None:  # written by hand without a zone: UTC, as this module writes
         beat = beat.replace(tzinfo=UTC)
-    if record.get("host") == host and pid != os.getpid() and not _pid_alive(pid):
+    if record.get("host") == host and pid != os.getpid() and not pid_alive(pid):
         return "dead"
     if _now() - beat > timedelta(seconds=STALE_S):
         return "silent"
@@ -197,7 +188,7 @@ class RunLock:
                     "this run stops so that two runs never write one run dir"
                 )
             self.record["heartbeat"] = _iso(_now())
-            write_atomic(self.path, json.dumps(self.record))  # also restores a deleted lock
+            fileio.write_text(self.path, json.dumps(self.record))  # also restores a deleted lock
         except (OSError, StorageError) as err:
             print(f"warning: {self.path}: heartbeat not written ({err}); retrying in {HEARTBEAT_S:.0f} s", flush=True)
 
@@ -211,7 +202,7 @@ class RunLock:
             with self._guard:
                 held = _read(self.path)
                 if held is not None and held.get("token") == self.token:
-                    backend(self.path).delete(str(self.path))
+                    fileio.delete(self.path)
         except Exception as err:
             print(f"warning: {self.path}: run-dir lock not released ({err}); delete it by hand", flush=True)
 
@@ -231,7 +222,6 @@ def acquire(run_dir: RunPath, argv: list[str] | None = None) -> RunLock:
         "argv": list(sys.argv if argv is None else argv),
     }
     text = json.dumps(record)
-    fs = backend(path)
     for _ in range(_ATTEMPTS):
         held = _read(path)
         took_over = ""
@@ -249,12 +239,12 @@ def acquire(run_dir: RunPath, argv: list[str] | None = None) -> RunLock:
                 # the race between two restarts that both judged it; the loser's create fails).
                 if _read(path) != held:
                     continue
-                fs.delete(str(path))
-            fs.makedirs(str(run_dir))
+                fileio.delete(path)
+            fileio.makedirs(run_dir)
             if not _create_local(path, text):
                 continue  # another start created it first: judge that one
         else:
-            write_atomic(path, text)
+            fileio.write_text(path, text)
         back = _read(path)
         if back is None:
             continue

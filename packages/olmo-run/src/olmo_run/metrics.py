@@ -2,7 +2,7 @@
 "eval"), reading it back, and the loss curve RUN/loss.png (train and held-out).
 
 For a ``gs://`` / ``s3://`` run dir, where nothing can be appended, the lines go to a local
-copy (``storage.local_copy``: $OLMO_CACHE/run-dirs/SCHEME/BUCKET/KEY) uploaded whole by
+copy (``run_dir.local_copy``: $OLMO_CACHE/run-dirs/SCHEME/BUCKET/KEY) uploaded whole by
 ``MetricsLog.flush`` (at every checkpoint, every ``METRICS_UPLOAD_S`` seconds and at the end)
 and ``plot_loss``; a run resumed on a fresh host first refreshes that copy from the bucket.
 """
@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from olmo_data import fileio
+from olmo_data.fileio import URLPath
+
 from .errors import RunDirWriteError, TrainingStateError
-from .run_dir import write_atomic
-from .storage import RunPath, URLPath, backend, local_copy, run_path
+from .run_dir import RunPath, local_copy, run_path
 from .write_failure import write_failure
 
 # Keys of a "train" metrics line; both trainers write exactly these (plus optional extras).
@@ -65,7 +67,7 @@ class MetricsLog:
     """Appends JSON lines to RUN/metrics.jsonl. On resume, lines past the resumed step are
     dropped first, so a re-trained step is not logged twice.
 
-    For a URL run dir the lines are appended to the local copy (``storage.local_copy``) and
+    For a URL run dir the lines are appended to the local copy (``run_dir.local_copy``) and
     ``flush`` uploads the whole file as one object (object storage has no append); it runs at
     every checkpoint (the driver calls it), at most ``METRICS_UPLOAD_S`` apart while logging,
     and at the end. On start the local copy is first replaced by the bucket's file, so a run
@@ -85,14 +87,14 @@ class MetricsLog:
             return
         if self.remote is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if backend(self.remote).exists(str(self.remote)):
-                write_atomic(self.path, backend(self.remote).read_bytes(str(self.remote)).decode())
+            if fileio.exists(self.remote):
+                fileio.write_text(self.path, fileio.read_text(self.remote))
             else:
                 self.path.unlink(missing_ok=True)  # a stale copy of an earlier run under this URL
         if self.path.exists():
             kept = [line for line, record in _metric_lines(self.path) if record.get("step", 0) <= resume_step]
             try:
-                write_atomic(self.path, "".join(line + "\n" for line in kept))
+                fileio.write_text(self.path, "".join(line + "\n" for line in kept))
             except OSError as err:
                 raise self._failure("rewriting", err) from None
             self.flush()
@@ -111,7 +113,7 @@ class MetricsLog:
     def flush(self) -> None:
         """Upload the local copy to a URL run dir (nothing to do for a local one)."""
         if self.enabled and self.remote is not None and self.path.exists():
-            backend(self.remote).upload(str(self.path), str(self.remote))
+            fileio.put_file(self.path, self.remote)
             self._uploaded = time.monotonic()
 
     def _failure(self, doing: str, err: OSError) -> RunDirWriteError:
@@ -123,7 +125,7 @@ def _metric_lines(path: RunPath) -> list[tuple[str, dict[str, Any]]]:
     """(line, record) of every record. A last line with no newline after it that is not JSON
     is an append cut short (disk full, a kill mid-write) and is left out; anywhere else, a
     line that is not JSON means the file was damaged, which is an error."""
-    lines = backend(path).read_bytes(str(path)).decode().split("\n")
+    lines = fileio.read_text(path).split("\n")
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
@@ -157,7 +159,7 @@ def final_eval_pending(run_dir: RunPath, step: int, held_out: list[str]) -> bool
     import importlib.util
 
     plot = run_dir / "loss.png"
-    if not backend(plot).exists(str(plot)) and importlib.util.find_spec("matplotlib") is not None:
+    if not fileio.exists(plot) and importlib.util.find_spec("matplotlib") is not None:
         return True
     return bool(held_out) and not eval_logged(run_dir, step)
 
@@ -165,7 +167,7 @@ def final_eval_pending(run_dir: RunPath, step: int, held_out: list[str]) -> bool
 def eval_logged(run_dir: RunPath, step: int) -> bool:
     """Whether the run dir's metrics.jsonl holds an eval line of ``step``."""
     log = run_dir / "metrics.jsonl"
-    if not backend(log).exists(str(log)):
+    if not fileio.exists(log):
         return False
     return any(r.get("kind") == "eval" and r.get("step") == step for r in read_metrics(run_dir))
 
@@ -204,5 +206,5 @@ def plot_loss(run_dir: RunPath) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     if isinstance(run_dir, URLPath):
-        backend(run_dir).upload(str(out), str(run_dir / "loss.png"))
+        fileio.put_file(out, run_dir / "loss.png")
     return out

@@ -25,7 +25,7 @@ from olmo_model.schedules import CosineSchedule, Schedule
 from olmo_model.spec import ModelSpec
 from olmo_model.yamlfile import parse_yaml, read_yaml
 
-from .storage import RunPath, run_path
+from .run_dir import RunPath, run_path
 
 
 class RecipeError(ValueError):
@@ -222,7 +222,7 @@ class Recipe(_Section):
         return -(-self.train.tokens // self.train.global_batch_tokens)
 
     def resolved_run_dir(self) -> RunPath:
-        """The run dir: a local Path, or a `storage.URLPath` for gs:// and s3:// (contract 8)."""
+        """The run dir: a local Path, or an `olmo_data.fileio.URLPath` for gs:// and s3:// (contract 8)."""
         if not self.run_dir:
             return Path("runs") / self.name
         try:

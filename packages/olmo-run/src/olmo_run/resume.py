@@ -13,7 +13,7 @@ from olmo_model.spec import ModelSpec
 from .checkpoints import complete_checkpoints, read_verified_meta
 from .errors import CheckpointDamagedError, TrainingStateError, loud
 from .recipe import MoESection, OptimSection, Recipe, TrainSection
-from .storage import RunPath
+from .run_dir import RunPath
 
 
 def check_meta_fits(meta: dict[str, Any], ckpt: RunPath, spec: ModelSpec, framework: str | None = None) -> None:

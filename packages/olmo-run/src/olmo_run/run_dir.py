@@ -1,5 +1,5 @@
-"""The run dir: its recipe, spec and recipe history (``prepare_run_dir``), atomic writes into it,
-and run dirs on object storage (the URL backend of ``olmo_run.storage``, over ``olmo_data.fileio``).
+"""The run dir: what names it (`RunPath`, `run_path`), process 0's local copy of a URL run dir
+(`local_copy`), and the record of the recipe it runs (`prepare_run_dir`).
 
     RUN/recipe.yaml        the resolved recipe the run started with
     RUN/recipe_history.jsonl  per resume that changed keys: {"step", "changes": {key: [old, new]}, "recipe"}
@@ -7,20 +7,18 @@ and run dirs on object storage (the URL backend of ``olmo_run.storage``, over ``
     RUN/metrics.jsonl      ``olmo_run.metrics``; RUN/loss.png its plot
     RUN/checkpoints/       ``olmo_run.checkpoints``
 
-The run-dir code (this module, ``olmo_run.checkpoints``, ``olmo_run.resume``, ``olmo_run.metrics``)
-names paths as ``Path`` or
-``storage.URLPath`` and leaves the file operations to a backend; importing this module (which
-``olmo_run`` does) serves ``gs://`` and ``s3://`` with fileio, so both trainers, olmo-convert
-and the driver share one implementation for local and remote run dirs.
-
-What it means on object storage:
+RUN may be a local folder or a ``gs://`` / ``s3://`` URL (docs/design.md, contract 8): a `Path`
+or an ``olmo_data.fileio.URLPath``, and every file operation on it is a call of
+``olmo_data.fileio``, the one I/O layer. What that means on object storage:
 
 - writes are whole objects (one PUT, or a multipart / resumable upload the store publishes
   only once complete): meta.json, written last, commits a checkpoint without a rename;
 - deletes go object by object below a prefix (keep-N pruning, clean-up of interrupted saves);
-- sha256 of a checkpoint's files streams each object (``fileio.iter_blocks``), never whole;
+- sha256 of a checkpoint's files streams each object (``fileio.sha256``), never whole;
 - every failure is a one-line ``fileio.StorageError`` naming the URL and the fix (missing
-  credentials, unknown bucket, permission, network).
+  credentials, unknown bucket, permission, network);
+- nothing can be appended, so the small files process 0 keeps growing (metrics.jsonl,
+  loss.png) are written to a local copy (`local_copy`) and uploaded whole.
 
 Credentials and endpoints come from where the clients look (fileio's docstring): for S3 the
 ``AWS_*`` variables (``AWS_ENDPOINT_URL`` for another endpoint), for GCS Application Default
@@ -29,69 +27,55 @@ Credentials, or ``STORAGE_EMULATOR_HOST`` for an emulator.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from typing import Any
+import os
+import re
+import urllib.parse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from olmo_data import fileio
+from olmo_data.fileio import URLPath
 from olmo_model.spec import ModelSpec
-from olmo_run import storage
-from olmo_run.recipe import Recipe
-from olmo_run.storage import RunPath, URLPath, backend, local_copy
+
+if TYPE_CHECKING:
+    from olmo_run.recipe import Recipe
+
+# A run dir, or a path inside one: local, or on object storage.
+RunPath = Path | URLPath
 
 
-class FileioBackend:
-    """``olmo_run.storage.Backend`` for gs:// and s3:// URLs."""
-
-    def exists(self, path: str) -> bool:
-        return fileio.exists(path)
-
-    def isfile(self, path: str) -> bool:
-        return fileio.isfile(path)
-
-    def isdir(self, path: str) -> bool:
-        return fileio.isdir(path)
-
-    def listdir(self, path: str) -> list[str]:
-        return fileio.listdir(path)
-
-    def find(self, path: str) -> list[str]:
-        return fileio.find(path)
-
-    def size(self, path: str) -> int:
-        return fileio.size(path)
-
-    def read_bytes(self, path: str) -> bytes:
-        return fileio.read_bytes(path)
-
-    def write_text(self, path: str, text: str) -> None:
-        fileio.write_text(path, text)
-
-    def delete(self, path: str, recursive: bool = False) -> None:
-        fileio.delete(path, recursive=recursive)
-
-    def makedirs(self, path: str) -> None:
-        fileio.makedirs(path)
-
-    def sha256(self, path: str) -> str:
-        digest = hashlib.sha256()
-        for block in fileio.iter_blocks(path):
-            digest.update(block)
-        return digest.hexdigest()
-
-    def upload(self, local_path: str, path: str) -> None:
-        fileio.put_file(local_path, path)
+def run_path(text: str | os.PathLike | URLPath) -> RunPath:
+    """A path as named by a recipe or a command line: a `URLPath` for gs:// and s3://, a local
+    Path otherwise (``file:///x`` is the local ``/x``). Other schemes are a ValueError."""
+    if isinstance(text, (URLPath, Path)):
+        return text
+    text = os.fspath(text)
+    head, sep, rest = text.partition("://")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", head):
+        scheme = head.lower()
+        if scheme in fileio.REMOTE_SCHEMES:
+            return URLPath(f"{scheme}://{rest}")
+        if scheme == "file":
+            return Path(urllib.parse.unquote(urllib.parse.urlparse(text).path))
+        raise ValueError(f"{text}: URL scheme {scheme}:// is not supported; use a local path, file://, gs:// or s3://")
+    return Path(text)
 
 
-storage.register_url_backend(FileioBackend())
+def local_copy_root() -> Path:
+    """Where the local copies of remote run dirs live: $OLMO_CACHE/run-dirs (default
+    ~/.cache/olmo-twin/run-dirs), one folder per URL (scheme/bucket/key)."""
+    return Path(os.environ.get("OLMO_CACHE") or Path.home() / ".cache" / "olmo-twin") / "run-dirs"
 
 
-def storage_error(exc: BaseException, path: RunPath, op: str) -> fileio.StorageError | None:
-    """fileio's one-line error for a failure a checkpoint library hit on ``path`` (None when it
-    is not a storage failure)."""
-    return fileio.storage_error(exc, str(path), op)
+def local_copy(run_dir: RunPath) -> Path:
+    """The folder holding process 0's copy of a run dir's small files (metrics.jsonl, loss.png,
+    recipe.yaml, spec.json): the run dir itself when local, else a folder derived from the URL."""
+    if isinstance(run_dir, Path):
+        return run_dir
+    return local_copy_root() / run_dir.scheme / run_dir.bucket / run_dir.key
 
 
 def check_reachable(run_dir: RunPath) -> None:
@@ -99,30 +83,16 @@ def check_reachable(run_dir: RunPath) -> None:
     a denied listing or an unreachable endpoint is a one-line StorageError now, before the
     slower start-up checks, not at the first checkpoint. A local run dir has nothing to probe."""
     if isinstance(run_dir, URLPath):
-        fileio.listdir(str(run_dir))
-
-
-def write_atomic(path: RunPath, text: str) -> None:
-    """All of ``text`` under ``path`` or what was there before: locally a temp file renamed into
-    place, on object storage one PUT (an object is published only once complete)."""
-    backend(path).write_text(str(path), text)
-
-
-def _exists(path: RunPath) -> bool:
-    return backend(path).exists(str(path))
-
-
-def _read_text(path: RunPath) -> str:
-    return backend(path).read_bytes(str(path)).decode()
+        fileio.listdir(run_dir)
 
 
 def _write_run_file(run_dir: RunPath, name: str, text: str) -> None:
     """A small file of the run dir; for a URL run dir also into its local copy."""
-    write_atomic(run_dir / name, text)
+    fileio.write_text(run_dir / name, text)
     if isinstance(run_dir, URLPath):
         local = local_copy(run_dir)
         local.mkdir(parents=True, exist_ok=True)
-        write_atomic(local / name, text)
+        fileio.write_text(local / name, text)
 
 
 RECIPE_HISTORY_FILE = "recipe_history.jsonl"
@@ -152,12 +122,12 @@ def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resum
     through) are printed and appended with the step to ``recipe_history.jsonl``."""
     run_dir = recipe.resolved_run_dir()
     if is_main:
-        backend(run_dir).makedirs(str(run_dir))
+        fileio.makedirs(run_dir)
         recorded = run_dir / "recipe.yaml"
         current = recipe.model_dump(mode="json")
-        if resumed_at is not None and _exists(recorded):
+        if resumed_at is not None and fileio.exists(recorded):
             history = _read_history(run_dir)
-            effective = yaml.safe_load(history[-1]["recipe"]) if history else yaml.safe_load(_read_text(recorded))
+            effective = yaml.safe_load(history[-1]["recipe"]) if history else yaml.safe_load(fileio.read_text(recorded))
             changes = recipe_changes(effective or {}, current)
             if changes:
                 for key, (old, new) in changes.items():
@@ -168,7 +138,7 @@ def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resum
                 _write_run_file(run_dir, RECIPE_HISTORY_FILE, "\n".join(lines) + "\n")
         else:  # a fresh start: its recipe, and no history of an earlier run's resumes
             _write_run_file(run_dir, "recipe.yaml", recipe.to_yaml())
-            backend(run_dir).delete(str(run_dir / RECIPE_HISTORY_FILE))
+            fileio.delete(run_dir / RECIPE_HISTORY_FILE)
             if isinstance(run_dir, URLPath):
                 (local_copy(run_dir) / RECIPE_HISTORY_FILE).unlink(missing_ok=True)
         _write_run_file(run_dir, "spec.json", spec.model_dump_json(indent=2))
@@ -177,6 +147,6 @@ def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resum
 
 def _read_history(run_dir: RunPath) -> list[dict[str, Any]]:
     path = run_dir / RECIPE_HISTORY_FILE
-    if not _exists(path):
+    if not fileio.exists(path):
         return []
-    return [json.loads(line) for line in _read_text(path).splitlines() if line.strip()]
+    return [json.loads(line) for line in fileio.read_text(path).splitlines() if line.strip()]

@@ -10,7 +10,7 @@ from typing import Any
 from .checkpoints import complete_checkpoints
 from .errors import TrainingDivergedError
 from .recipe import Recipe
-from .storage import RunPath
+from .run_dir import RunPath
 
 
 @dataclass

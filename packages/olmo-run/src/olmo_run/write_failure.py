@@ -10,9 +10,11 @@ import shutil
 from pathlib import Path
 from typing import TypeVar
 
+from olmo_data.fileio import URLPath
+
 from .checkpoints import complete_checkpoints
 from .errors import CheckpointWriteError, RunDirWriteError
-from .storage import RunPath, URLPath
+from .run_dir import RunPath
 
 # TensorStore (Orbax's array writer) reports a failed system call as a ValueError whose text
 # carries the errno ("... No space left on device [os_error_code='28']"), not as an OSError.

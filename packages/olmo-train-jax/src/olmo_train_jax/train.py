@@ -63,8 +63,8 @@ from olmo_run.driver import check_shared_run_dir
 from olmo_run.errors import TrainingStateError
 from olmo_run.metrics import perplexity
 from olmo_run.recipe import Recipe
+from olmo_run.run_dir import RunPath
 from olmo_run.spike_guard import SpikeGuard
-from olmo_run.storage import RunPath
 
 from . import sharding
 from .checkpoint import Checkpointer, abstract_like, restore_state

@@ -63,8 +63,8 @@ from olmo_run.decay import DECAY_GROUPS, decay_group, group_weight_decay
 from olmo_run.driver import check_shared_run_dir
 from olmo_run.metrics import perplexity
 from olmo_run.recipe import BatchLayout, Recipe
+from olmo_run.run_dir import RunPath
 from olmo_run.spike_guard import SpikeGuard
-from olmo_run.storage import RunPath
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
 from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
