@@ -14,18 +14,18 @@ import numpy as np
 from flax import nnx
 
 from olmo_run.recipe import load_recipe
-from olmo_train_jax import sharding
+from olmo_train_jax import parallelize
 from olmo_train_jax.checkpoint import abstract_like
 from olmo_train_jax.hf_adapter import initial_params, to_hf
 from olmo_train_jax.model import OlmoModel
-from olmo_train_jax.train import for_mesh
+from olmo_train_jax.step import for_mesh
 
 
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
     recipe = load_recipe(None, overrides)
     spec = recipe.model_spec()
-    mesh = sharding.make_mesh(recipe.jax.mesh)
+    mesh = parallelize.build_mesh(recipe.jax.mesh)
     model = nnx.eval_shape(lambda: OlmoModel(spec, rngs=nnx.Rngs(0)))
     prepared = for_mesh(model, spec, recipe, mesh)
     params = initial_params(spec, recipe.train.seed, abstract_like(prepared.params, prepared.params_sh))

@@ -3,7 +3,7 @@ line override or a mixture file can be wrong ends in exactly one line on stderr 
 (or the command line) and the fix, with exit status 2, never a traceback.
 
 Recipe cases stop at ``--print-recipe``; mixture cases run the driver's real start-up checks
-(`plan_run`, where a trainer opens its mixture) with a numpy stand-in for the trainer."""
+(`read_inputs` and `resolve_run`, where a trainer opens its mixture) with a numpy stand-in for the trainer."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from test_mixture_support import two_source_mixture
 
-from olmo_run import plan_run
+from olmo_run import read_inputs, resolve_run
 from olmo_run.cli import INPUT_ERRORS, run_cli
 
 PROG = "olmo-train-test"
 
 
 def _train():
-    return lambda recipe: plan_run(recipe, "numpy", dp_size=1)
+    return lambda recipe: resolve_run(read_inputs(recipe), "numpy")
 
 
 def cli(argv: list[str], capsys) -> tuple[int, list[str]]:

@@ -28,10 +28,10 @@ import pytest
 
 from olmo_data import load_mixture
 from olmo_model import flops_per_token
-from olmo_run import StepResult, announce_finished, plan_run, run
+from olmo_run import StepMetrics, announce_finished, loop, read_inputs, resolve_run, run
 from olmo_run.checkpoints import checkpoint_dir, commit_checkpoint, complete_checkpoints
-from olmo_run.driver import host_memory
 from olmo_run.errors import TrainingDivergedError
+from olmo_run.measure import host_memory
 from olmo_run.metrics import TRAIN_KEYS, read_metrics
 from olmo_run.recipe import RecipeError, load_recipe
 from olmo_run.sinks import check_sinks, scalars
@@ -60,7 +60,6 @@ class NumpyModule:
 
     framework = "numpy"
     n_devices = 2
-    peak = (1e12, "test peak 1 TFLOP/s")
 
     def __init__(
         self,
@@ -84,7 +83,7 @@ class NumpyModule:
             self.weight = plan.resume[2]["weight"]
         self.pending: int | None = None
 
-    def train_step(self, batch, step, lr, guard) -> StepResult:
+    def train_step(self, batch, step, lr, guard, metrics: StepMetrics) -> None:
         self.calls.append(f"step {step}")
         self.step = step
         for signum in self.signals_at.get(step, []):
@@ -99,13 +98,17 @@ class NumpyModule:
             self.weight = math.nan
         elif not skipped:
             self.weight -= lr
-        return StepResult(loss, loss - 0.5, 50.0, 1.0, skipped, {"weight": self.weight})
+        for name, value in (("loss", loss), ("ce_loss", loss - 0.5), ("z_loss", 50.0), ("grad_norm", 1.0)):
+            metrics.record(name, value)
+        metrics.record("skipped", skipped)
+        metrics.record("weight", self.weight)
 
-    def evaluate(self):
+    def eval_sums(self, batch):
+        # The one batch of the held-out source: a loss of ``weight`` over 128 tokens.
         self.calls.append("eval")
         if self.step == self.eval_fail_at:
             raise RuntimeError("killed before the eval line")
-        return {"held": {"loss": self.weight, "perplexity": math.exp(self.weight), "tokens": 128}}
+        return self.weight * 128, 128.0
 
     def state_is_finite(self) -> bool:
         return math.isfinite(self.weight)
@@ -123,8 +126,15 @@ class NumpyModule:
         if self.pending is not None:
             self.close()
 
-    def memory(self):
+    def device_memory(self):
         return None  # no device: the driver reports this process's RSS
+
+    def device_kind(self):
+        return None
+
+    def matmul(self, size: int):
+        a = np.ones((size, size), np.float32)
+        return lambda: a @ a
 
     def start_trace(self, folder: Path) -> None:
         self.calls.append(f"trace {folder.name}")
@@ -176,13 +186,19 @@ def recipe_for(mixture: Path, run_dir: Path, *extra: str):
 
 
 def go(recipe, calls, **module_args) -> Path:
-    plan = plan_run(recipe, "numpy", dp_size=2)
+    plan = resolve_run(read_inputs(recipe), "numpy", loader_ranks=(0, 1), dp_size=2)
     if announce_finished(plan, True):
         calls.append("finished")
         return plan.run_dir
     return run(
         plan, lambda: NumpyModule(plan, calls, **module_args), is_main=True, describe=["numpy module"], title="test"
     )
+
+
+@pytest.fixture(autouse=True)
+def test_peak(monkeypatch):
+    """The peak MFU divides by: 1e12 FLOP/s per device, whatever this machine's matmul does."""
+    monkeypatch.setattr(loop, "device_peak", lambda kind, matmul: (1e12, "test peak 1 TFLOP/s"))
 
 
 @pytest.fixture

@@ -22,10 +22,11 @@ import pytest
 
 from olmo_data import fileio
 from olmo_data.fileio import URLPath
-from olmo_run import lock, plan_run, run
+from olmo_run import lock, read_inputs, resolve_run, run
 from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.cli import INPUT_ERRORS, run_cli
 from olmo_run.lock import RUN_LOCK_FILE, RunLockError, acquire
+from olmo_run.terminal import show_on_terminal
 
 pytest_plugins = ["object_store"]
 
@@ -41,6 +42,11 @@ HOLD = (
     "import sys, time; from pathlib import Path; from olmo_run.lock import acquire; "
     "acquire(Path(sys.argv[1]), ['holder']); print('held', flush=True); time.sleep(120)"
 )
+
+
+@pytest.fixture(autouse=True)
+def terminal() -> None:
+    show_on_terminal()  # olmo_run's log lines reach the captured stdout / stderr, as under the CLI
 
 
 @pytest.fixture
@@ -96,18 +102,18 @@ class LockWatcher(NumpyModule):
         super().__init__(plan, [], fail_at=None)
         self.seen, self.steal_at, self.interrupt_at = seen, steal_at, interrupt_at
 
-    def train_step(self, batch, step, lr, guard):
+    def train_step(self, batch, step, lr, guard, metrics):
         path = self.plan.run_dir / RUN_LOCK_FILE
         self.seen.append(json.loads(path.read_text()))
         if step == self.steal_at:  # another run takes the lock over
             path.write_text(json.dumps({**self.seen[-1], "pid": 1, "token": "cd" * 16}))
         if step == self.interrupt_at:
             raise KeyboardInterrupt
-        return super().train_step(batch, step, lr, guard)
+        super().train_step(batch, step, lr, guard, metrics)
 
 
 def go(recipe, module=NumpyModule, **module_args) -> Path:
-    plan = plan_run(recipe, "numpy", dp_size=2)
+    plan = resolve_run(read_inputs(recipe), "numpy", loader_ranks=(0, 1), dp_size=2)
     return run(plan, lambda: module(plan, **module_args), is_main=True, describe=[], title="test")
 
 
@@ -124,7 +130,7 @@ def test_a_live_holder_refuses_with_one_line_and_nothing_written(mixture, tmp_pa
     longer = recipe_for(mixture, run_dir, "--train.steps=8")
     status = run_cli("olmo-train-x", None, [], lambda: lambda _: go(longer, calls=[]), INPUT_ERRORS)
     out, err = capsys.readouterr()
-    # plan_run's note on the longer schedule, then nothing from the driver.
+    # resolve_run's note on the longer schedule, then nothing from the driver.
     assert status == 2 and out.startswith("train.steps: 6 -> 8") and len(out.splitlines()) == 1, out
     assert err == (
         f"olmo-train-x: error: run_dir={run_dir}: a live run holds it (host {HOST}, pid {proc.pid}, "

@@ -14,9 +14,10 @@ import errno
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from olmo_run import StepResult, plan_run, run
+from olmo_run import StepMetrics, read_inputs, resolve_run, run
 from olmo_run.checkpoints import checkpoint_dir, commit_checkpoint, complete_checkpoints
 from olmo_run.cli import EXIT_WRITE_FAILED, INPUT_ERRORS, run_cli
 from olmo_run.metrics import read_metrics
@@ -41,16 +42,17 @@ class OneNumber:
 
     framework = "numpy"
     n_devices = 1
-    peak = (1e12, "test peak")
 
     def __init__(self, plan, on_step):
         self.plan, self.on_step = plan, on_step
         self.weight = plan.resume[2]["weight"] if plan.resume is not None else 1.0
 
-    def train_step(self, batch: dict, step: int, lr: float, guard: SpikeGuard) -> StepResult:
+    def train_step(self, batch: dict, step: int, lr: float, guard: SpikeGuard, metrics: StepMetrics) -> None:
         self.on_step(self.plan.run_dir, step)
         self.weight -= lr
-        return StepResult(self.weight, self.weight, 0.0, 1.0, False)
+        for name, value in (("loss", self.weight), ("ce_loss", self.weight), ("z_loss", 0.0), ("grad_norm", 1.0)):
+            metrics.record(name, value)
+        metrics.record("skipped", False)
 
     def save(self, step: int, meta: dict[str, Any]) -> None:
         ckpt = checkpoint_dir(self.plan.run_dir, step)
@@ -63,14 +65,21 @@ class OneNumber:
     def state_is_finite(self) -> bool:
         return True
 
-    def evaluate(self) -> dict:
-        return {}
+    def eval_sums(self, batch: dict) -> tuple[float, float]:
+        return 0.0, 0.0
 
     def poll(self) -> None:
         pass
 
-    def memory(self) -> None:
+    def device_memory(self) -> None:
         return None
+
+    def device_kind(self) -> None:
+        return None
+
+    def matmul(self, size: int):
+        a = np.ones((size, size), np.float32)
+        return lambda: a @ a
 
     def start_trace(self, folder: Path) -> None:
         pass
@@ -87,7 +96,7 @@ class OneNumber:
 
 def cli(argv: list[str], on_step=lambda run_dir, step: None) -> int:
     def train(recipe):
-        plan = plan_run(recipe, "numpy", dp_size=1)
+        plan = resolve_run(read_inputs(recipe), "numpy")
         return run(plan, lambda: OneNumber(plan, on_step), is_main=True, describe=[], title="olmo-test")
 
     return run_cli("olmo-test", None, argv, lambda: train, INPUT_ERRORS)

@@ -16,7 +16,7 @@ sequences (32,768 tokens per step), bf16 compute with fp32 master weights and fp
 the same random token batches for every contender, one optimizer step = forward, loss (CE + z-loss),
 backward, global-norm clip 1.0, AdamW. Each is run the way its trainer runs a single GPU:
 
-- olmo-train-torch: ``train.train_step`` on a 1-rank NCCL group (as ``torchrun --nproc_per_node 1``
+- olmo-train-torch: ``step.train_step`` on a 1-rank NCCL group (as ``torchrun --nproc_per_node 1``
   launches it), so ``torch.parallel=fsdp`` wraps each block with FSDP2 and
   MixedPrecisionPolicy(bf16 params, fp32 reduce); ``--compile`` compiles each block
   (``torch.compile: true``); fused AdamW; SDPA attention (causal at this length: window 4096).
@@ -164,9 +164,9 @@ def cmd_torch(args) -> None:
     from olmo_model import flops_per_token, get_preset
     from olmo_run.recipe import batch_layout, load_recipe
     from olmo_run.spike_guard import SpikeGuard
-    from olmo_train_torch import build_model
+    from olmo_train_torch import initial_model
     from olmo_train_torch.parallelize import build_mesh, init_distributed
-    from olmo_train_torch.train import make_optimizer, prepare_model, train_step
+    from olmo_train_torch.step import make_optimizer, prepare_model, train_step
 
     spec = get_preset(args.preset)
     recipe = load_recipe(
@@ -183,7 +183,7 @@ def cmd_torch(args) -> None:
     d = init_distributed("auto")
     mesh = build_mesh(d, recipe.torch)
     torch.manual_seed(0)
-    model = prepare_model(build_model(spec, seed=0, device=d.device), recipe, d, mesh, None)
+    model = prepare_model(initial_model(spec, seed=0, device=d.device), recipe, d, mesh, None)
     optimizer = make_optimizer(model, recipe, d.device)
     layout, guard = batch_layout(args.batch, 1), SpikeGuard()
     data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
@@ -234,7 +234,7 @@ def cmd_jax(args) -> None:
     from olmo_model import flops_per_token, get_preset
     from olmo_run.recipe import load_recipe
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import placed_step
+    from olmo_train_jax.step import placed_step
 
     spec = get_preset(args.preset)
     recipe = load_recipe(
@@ -396,7 +396,7 @@ def cmd_moe_torch(args) -> None:
     import torch
 
     from olmo_model import MoESpec
-    from olmo_train_torch.moe import MoE, moe_aux_losses
+    from olmo_train_torch.moe import MoE, routing_stats
 
     device = "cuda" if _cuda() else "cpu"
     x = torch.randn(args.tokens, args.d_model, device=device, dtype=torch.bfloat16)
@@ -415,7 +415,7 @@ def cmd_moe_torch(args) -> None:
 
             def step(block=block):
                 out, stats = block(x)
-                aux = moe_aux_losses([stats])
+                aux = routing_stats([stats])
                 (out.float().square().mean() + 0.01 * aux.load_balancing).backward()
 
             rows.append(_time_moe(step, _sync, args, e, routing))
@@ -429,7 +429,8 @@ def cmd_moe_jax(args) -> None:
     import jax.numpy as jnp
 
     from olmo_model import MoESpec
-    from olmo_train_jax.moe import ExpertWeights, gemm_backend, local_experts, moe_block
+    from olmo_train_jax.grouped_gemm import ExpertWeights, gemm_backend
+    from olmo_train_jax.moe import local_experts, moe_block
 
     d, h = args.d_model, args.hidden
     x = jax.random.normal(jax.random.key(1), (args.tokens, d), jnp.bfloat16)
@@ -762,7 +763,7 @@ def _moe_model_torch_rows(args, spec) -> None:
     from olmo_run.recipe import batch_layout, load_recipe
     from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch.parallelize import build_mesh, init_distributed
-    from olmo_train_torch.train import make_optimizer, start_model, train_step
+    from olmo_train_torch.step import make_optimizer, start_model, train_step
 
     d = init_distributed("auto")
     capacity = torch.cuda.get_device_properties(0).total_memory if _cuda() else None
@@ -844,16 +845,17 @@ def _moe_model_jax_rows(args, spec) -> None:
     """The rows of one E: olmo-train-jax's ``placed_step`` (``step_functions``' fused step on a
     one-device mesh: jitted, parameters and AdamW state donated), ``jax.remat`` and
     ``jax.attention`` from the flags, ``moe.routing`` per row, ``--gemm`` as the recipe's
-    ``jax.moe_gemm`` (auto: ``moe.gemm_backend``'s choice)."""
+    ``jax.moe_gemm`` (auto: ``grouped_gemm.gemm_backend``'s choice)."""
     import gc
 
     import jax
     import jax.numpy as jnp
 
     from olmo_run.recipe import load_recipe
+    from olmo_train_jax import grouped_gemm
     from olmo_train_jax import moe as jax_moe
     from olmo_train_jax.model import build_model
-    from olmo_train_jax.train import placed_step
+    from olmo_train_jax.step import placed_step
 
     dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32
     stats0 = jax.devices()[0].memory_stats() or {}
@@ -861,9 +863,9 @@ def _moe_model_jax_rows(args, spec) -> None:
     data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
     lr = np.float32(1e-4)
     for gemm in args.gemm:
-        if gemm not in jax_moe.GEMM_BACKENDS:
-            raise SystemExit(f"--gemm {gemm}: unknown; use one of {', '.join(jax_moe.GEMM_BACKENDS)}")
-        name = jax_moe.gemm_backend(dtype, spec.d_model, spec.moe.expert_hidden) if gemm == "auto" else gemm
+        if gemm not in grouped_gemm.GEMM_BACKENDS:
+            raise SystemExit(f"--gemm {gemm}: unknown; use one of {', '.join(grouped_gemm.GEMM_BACKENDS)}")
+        name = grouped_gemm.gemm_backend(dtype, spec.d_model, spec.moe.expert_hidden) if gemm == "auto" else gemm
         for routing in args.routing:
             head = {"trainer": "jax", "experts": spec.moe.n_experts, "routing": routing}
             head.update(gemm=name, gemm_requested=gemm)
@@ -1205,7 +1207,7 @@ def main() -> None:
         "--gemm",
         nargs="+",
         default=["auto", "ragged"],
-        help="grouped GEMM backends (moe.GEMM_BACKENDS; auto = moe.gemm_backend)",
+        help="grouped GEMM backends (grouped_gemm.GEMM_BACKENDS; auto = grouped_gemm.gemm_backend)",
     )
     for name in ("moe-model-torch", "moe-model-jax"):
         p = sub.add_parser(name, help="the whole model's train step with every MLP an MoE block (moe_model_spec)")

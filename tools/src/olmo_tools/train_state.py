@@ -174,7 +174,7 @@ def _jax_abstract(spec: ModelSpec, recipe: Recipe):
     from flax import nnx
 
     from olmo_train_jax.checkpoint import abstract_like
-    from olmo_train_jax.train import make_optimizer
+    from olmo_train_jax.step import make_optimizer
 
     params = nnx.to_pure_dict(nnx.split(_jax_model(spec, recipe))[1])
     tx = make_optimizer(params, recipe)
@@ -216,7 +216,7 @@ def _write_torch(run_dir: Path, state: TrainingState, recipe: Recipe, meta: dict
     from olmo_train_torch.checkpoint import Checkpointer
     from olmo_train_torch.hf_adapter import hf_to_local_names, model_from_hf
     from olmo_train_torch.parallelize import Distributed
-    from olmo_train_torch.train import make_optimizer
+    from olmo_train_torch.step import make_optimizer
 
     cpu = torch.device("cpu")
     model = model_from_hf(state.spec, state.params, torch.float32, source=state.origin)

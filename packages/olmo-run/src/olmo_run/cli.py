@@ -28,6 +28,7 @@ from olmo_run.recipe_help import recipe_help
 
 from .dry_run import DryRunReport, parse_dry_run_args, print_report
 from .preempt import EXIT_PREEMPTED, Preempted
+from .terminal import show_on_terminal
 
 # What ``--help`` says of the exit statuses, after the trainer's own text.
 EXIT_STATUSES = """Exit statuses:
@@ -63,6 +64,7 @@ def run_cli(
     parsed; ``reports`` says whether this process prints errors (rank 0); ``cleanup`` runs last.
     ``dry_run`` returns the trainer's ``(recipe, device_kind, count) -> DryRunReport``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    show_on_terminal()  # olmo_run's log lines: INFO to stdout, warnings and the summary to stderr
     if args and args[0] in ("-h", "--help"):
         print(f"{doc}\n{EXIT_STATUSES}\n\n{recipe_help()}")
         return 0

@@ -1,11 +1,17 @@
-"""What a run shows on the terminal: the progress bar (or plain lines) and the end-of-run summary."""
+"""What a run shows on the terminal: the progress bar (or plain lines) and the end-of-run summary.
+Both go through ``logging`` (``olmo_run.terminal`` decides where the lines land: stdout for the
+run's lines, stderr for the summary table)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .metrics import read_metrics
 from .run_dir import RunPath, local_copy
+from .terminal import SUMMARY_LOGGER
+
+log = logging.getLogger(__name__)
 
 
 class ProgressConsole:
@@ -21,12 +27,10 @@ class ProgressConsole:
         self.progress: Any = None
 
     def line(self, text: str) -> None:
-        if not self.is_main:
-            return
-        if self.progress is not None:
-            self.progress.console.print(text)
-        else:
-            print(text, flush=True)
+        """A line of the run's log (main process only); while the bar is live, rich's redirect
+        of stdout prints it above the bar."""
+        if self.is_main:
+            log.info(text)
 
     def advance(self, info: str) -> None:
         if not self.enabled:
@@ -52,7 +56,9 @@ class ProgressConsole:
 
 
 def print_summary(run_dir: RunPath, title: str) -> None:
-    """A short table at the end of a run: first/last loss, held-out losses, throughput."""
+    """A short table at the end of a run: first/last loss, held-out losses, throughput; drawn
+    for stderr (its width and colours) and logged on ``terminal.SUMMARY_LOGGER``."""
+    from rich.console import Console
     from rich.table import Table
 
     records = read_metrics(local_copy(run_dir))
@@ -75,3 +81,7 @@ def print_summary(run_dir: RunPath, title: str) -> None:
             table.add_row(f"held-out {name} loss / ppl", f"{vals['loss']:.4f} / {vals['perplexity']:.2f}")
         if any(r.get("leakage_allowed") for r in evals):
             table.add_row("held-out leakage", "ALLOWED (data.allow_leakage=true): held-out figures may be memorised")
+    console = Console(stderr=True)
+    with console.capture() as drawn:
+        console.print(table)
+    logging.getLogger(SUMMARY_LOGGER).info(drawn.get().rstrip("\n"))

@@ -3,7 +3,7 @@ SIGINT (Ctrl-C) end a run with its work saved, not lost.
 
 - The first signal only raises a flag (``PreemptionWatch.signal_name``). The driver loop lets
   the step in flight finish, then the processes agree on the step to stop at (any process's
-  flag stops all of them at the same step: ``olmo_run.driver.Run.preempt_requested``), save and
+  flag stops all of them at the same step: ``olmo_run.callbacks.preemption``), save and
   commit a checkpoint there unless the cadence just did, release the run-dir lock, and the CLI
   prints one line and exits with ``EXIT_PREEMPTED``. Rerunning the same command resumes from it.
 - A second signal, or ``checkpoint.preempt_timeout_s`` seconds after the first without the run
@@ -76,7 +76,9 @@ class PreemptionWatch:
         self._timer.start()
 
     def exit_now(self, why: str) -> None:
-        """Leave at once (a second signal, the timeout): no checkpoint beyond the committed ones."""
+        """Leave at once (a second signal, the timeout): no checkpoint beyond the committed ones.
+        Its line is printed, not logged: in a signal handler, the thread it interrupted may hold
+        logging's locks."""
         print(
             f"{self.prog}: {why}: exiting at once without a new checkpoint; the newest committed one is kept",
             file=sys.stderr,

@@ -1,458 +1,97 @@
-"""The torch training loop: recipe -> checks -> model, FSDP2/DDP, AdamW -> steps, eval, checkpoints.
-
-One optimizer step ``s`` (1-based) over a global batch of sequences:
-
-- the global batch is ``MixtureLoader.batch_at(s - 1)``; this rank holds rows
-  ``[r*B/R, (r+1)*B/R)``, split into ``accumulation_steps`` micro-batches; with
-  ``torch.context_parallel = C`` the C consecutive ranks of a context group share one such slice
-  (``r`` and ``R`` count data-parallel ranks: ``rank // C`` of ``world / C``) and each keeps its
-  columns of it (``context_parallel.py``);
-- the loss is normalised by the number of valid labels (!= -100) in the whole global batch
-  (all-reduced before the first micro-step), not averaged per rank or micro-batch:
-  ``ce = sum CE / n``, ``z = sum logsumexp(logits)^2 / n``, ``loss = ce + spec.z_loss_weight * z``,
-  logits and logsumexp in float32. The data-parallel reduction (FSDP reduce-scatter, DDP
-  all-reduce) averages gradients over ranks, so each rank's loss is scaled by the rank count;
-  the sum of the ranks' gradients is then exactly the gradient of the global loss;
-- with ``train.document_masking`` the batch's ``doc_ids`` go to the model, so attention stays
-  within a document; off (Olmo 3), a query sees the earlier documents of its window and global
-  layers keep the fused causal kernel;
-- grad norm: global L2 over all gradients in float32 (DTensor shards included), logged
-  before clipping; clipping multiplies by ``min(1, clip / (norm + 1e-6))`` as
-  ``torch.nn.utils.clip_grad_norm_``;
-- AdamW (``torch.optim.AdamW``, decoupled decay ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``),
-  LR ``recipe.schedule.lr(s, optim.lr, total)`` set on the host every step; no decay on the
-  input embedding unless ``optim.decay_embeddings``; norms decayed iff ``optim.decay_norms``;
-- spike guard: a skipped step leaves parameters, moments and Adam's step count unchanged
-  (``optimizer.step`` is not called) and still consumes its batch;
-- MoE specs: each micro-step adds the aux losses of its global micro-batch (weighted by the
-  spec, zero unless ``moe.routing`` is learned), scaled by the rank count like the CE and
-  averaged over micro-steps; ``moe.routing`` and ``moe.mxfp8`` set the block's runtime knobs
-  (``moe.configure_moe``), random routing is seeded by (train.seed, step, micro-step,
-  layer); ``torch.expert_parallel`` splits the routed experts over that many ranks
-  (``parallelize``); the train line carries the ``moe_*`` metrics, the per-rank load for
-  that expert-parallel size.
-
-Before anything is written (so bad input leaves the run dir untouched): recipe, spec,
-mixture (+ ``train.sequence_length``), leakage check, batch layout, and the latest complete
-checkpoint, which must fit (framework, spec, mixture fingerprint, loader state); without one,
-the ``recipe.init`` source (``olmo_run.init_source``: hf:DIR, a checkpoint,
-RUN/checkpoints/latest or a run dir; weights, plus AdamW state with init.load_optimizer).
+"""The torch trainer: one recipe in, a run dir with metrics, checkpoints and a loss curve out
+(``cli.py`` is its command). The step is ``step.py``; this module is the torch side of
+``olmo_run``'s start-up and driver: ``TorchTrainer`` (before joining torchrun's process group,
+the parallel mode, context degree and batch split are checked against the launched world size;
+then the group, the device meshes and the data-parallel rank of this process) and
+``TorchTrainModule`` (the parallelized model, AdamW, the eval step, DCP checkpoints). The
+start-up order, and that bad input leaves the run dir untouched, are ``olmo_run.startup``'s.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from olmo_data import MixtureLoader
-from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next token"
-from olmo_model import ModelSpec, resolve_device_kind
-from olmo_run import RunPlan, StepResult, announce_finished, plan_run, run
-from olmo_run.decay import DECAY_GROUPS, decay_group, group_weight_decay
-from olmo_run.driver import check_shared_run_dir
-from olmo_run.metrics import perplexity
-from olmo_run.recipe import BatchLayout, Recipe
+from olmo_run import Processes, RunSetup, StepMetrics, Trainer, start
+from olmo_run.recipe import Recipe
 from olmo_run.run_dir import RunPath
 from olmo_run.spike_guard import SpikeGuard
+from olmo_run.startup import Inputs
 
 from .checkpoint import Checkpointer, load_checkpoint, rng_state, set_rng_state
-from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
-from .model import OlmoModel
-from .moe import (
-    MoEAux,
-    configure_moe,
-    merge_micro_steps,
-    moe_aux_losses,
-    moe_step_metrics,
-    set_routing_step,
-)
 from .parallelize import (
     Distributed,
-    autocast_context,
     build_expert_mesh,
     build_mesh,
-    check_context_sequence,
-    check_parallel,
-    context_of,
-    gradient_sync,
+    check_layout,
     init_distributed,
-    parallelize,
     process_layout,
-    unwrap,
 )
+from .step import apply_recipe_hyperparams, eval_sums, make_optimizer, start_model, state_is_finite, train_step
 
 FRAMEWORK = "torch"
-# torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); the JAX trainer writes the same.
-CLIP_EPS = 1e-6
-
-
-# ---- the maths of one step -------------------------------------------------------------------
-
-
-def param_groups(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
-    """AdamW groups by ``olmo_run.decay``'s groups of the parameter names: matrices / experts /
-    embedding / norms (the name travels in checkpoints). The routed experts of MoE specs have a
-    group of their own, whatever the parallel layout (so checkpoints move between layouts):
-    under expert parallelism they are DTensors while DDP's dense parameters are plain tensors,
-    and one foreach kernel cannot take both."""
-    members: dict[str, list[nn.Parameter]] = {g: [] for g in DECAY_GROUPS}
-    for name, p in unwrap(model).named_parameters():
-        members[decay_group(name)].append(p)
-    return [
-        {"name": g, "params": ps, "weight_decay": group_weight_decay(g, recipe.optim)}
-        for g, ps in members.items()
-        if ps
-    ]
-
-
-def make_optimizer(model: nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.AdamW:
-    o = recipe.optim
-    # fused kernels on GPU; foreach (multi-tensor) on CPU, where it is the fastest exact path.
-    fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(param_groups(model, recipe), lr=o.lr, betas=o.betas, eps=o.eps, **fast)
-
-
-def apply_recipe_hyperparams(optimizer: torch.optim.Optimizer, recipe: Recipe) -> None:
-    """After loading optimizer state: the recipe, not the checkpoint, decides betas, eps and
-    weight decay (the moments and step count come from the checkpoint)."""
-    for group in optimizer.param_groups:
-        group["betas"], group["eps"] = recipe.optim.betas, recipe.optim.eps
-        group["weight_decay"] = group_weight_decay(group["name"], recipe.optim)
-
-
-def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by DTensor mesh (plain tensors together): a foreach kernel takes
-    one kind only, and expert parallelism puts the experts on a mesh of their own."""
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
-    return list(groups.values())
-
-
-def grad_global_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm over all gradients (float32); a sharded DTensor norm is reduced over ranks."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    norms = []
-    for group in _by_mesh(grads):
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        norms.append(norm.float())
-    if len(norms) == 1:
-        return norms[0]
-    return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def clip_gradients(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
-    """``torch.nn.utils.clip_grads_with_norm_`` on each mesh's gradients with the global norm."""
-    with_grad = [p for p in params if p.grad is not None]
-    for group in _by_mesh(with_grad):
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
-
-
-@dataclass
-class StepStats:
-    loss: float
-    ce_loss: float
-    z_loss: float
-    grad_norm: float
-    skipped: bool
-    moe: dict[str, Any] | None = None  # MoE specs: the moe_* keys of the train line
-
-
-def accumulate_gradients(
-    model: nn.Module,
-    tensors: dict[str, torch.Tensor],
-    *,
-    layout: BatchLayout,
-    d: Distributed,
-    spec: ModelSpec,
-    recipe: Recipe,
-    step: int = 1,
-    micro_steps: Sequence[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[MoEAux]]:
-    """Forward and backward of this rank's micro-batches (``tensors``: its rows of the global
-    batch); gradients reduced over the ranks after the last micro-step. Returns (this rank's
-    float64 [CE sum, z sum], the global valid-label count, each micro-step's MoE aux losses),
-    reading nothing back to the host. ``micro_steps``: which of the accumulation micro-steps to
-    run (default all; the dry run runs the first two and the last, whose memory the others repeat)."""
-    device = d.device
-    context = context_of(model)
-    if context is not None:  # context parallelism: this rank's columns of its rows
-        tensors = {k: context.shard(v) for k, v in tensors.items()}
-    # float64 counts and sums: exact token counts for global batches beyond 2^24 tokens.
-    count = (tensors["labels"] != IGNORE_INDEX).sum().to(torch.float64)
-    n_global = d.all_reduce_sum(count).clamp_min(1.0)
-    # Gradients are averaged over data-parallel ranks by FSDP/DDP: scale up by the rank count.
-    scale = (d.world_size / n_global).to(torch.float32)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    micro = layout.per_device_batch
-    moe_terms = []  # per micro-step MoE aux losses of the global micro-batch
-    moe_group = dist.group.WORLD if d.initialized and d.world_size > 1 else None
-    routing = recipe.moe.routing
-    last = layout.accumulation_steps - 1
-    for i in range(layout.accumulation_steps) if micro_steps is None else micro_steps:
-        rows = slice(i * micro, (i + 1) * micro)
-        if spec.moe is not None:
-            set_routing_step(model, step, i)
-        with gradient_sync(model, i == last):
-            with autocast_context(model, recipe.train.precision, device):
-                doc_ids = tensors["doc_ids"][rows] if recipe.train.document_masking else None
-                # Head + CE + z-loss fused over token chunks (head_loss.py): [objective, ce, z].
-                out = model(tensors["input_ids"][rows], doc_ids, labels=tensors["labels"][rows])
-            objective, ce, z = out.loss_sums.unbind()
-            step_loss = objective * scale
-            if out.moe:
-                # Global values, gradient through this rank's tokens: scaled by the rank count
-                # like the CE (the wrapper averages), averaged over micro-steps.
-                aux = moe_aux_losses(out.moe, group=moe_group)
-                assert spec.moe is not None  # only MoE layers return stats
-                step_loss = step_loss + aux.weighted(spec.moe, routing) * (d.world_size / layout.accumulation_steps)
-                moe_terms.append(aux)
-            step_loss.backward()
-        sums += torch.stack([ce.detach(), z.detach()]).double()
-    return sums, n_global, moe_terms
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch: dict[str, np.ndarray],
-    *,
-    layout: BatchLayout,
-    d: Distributed,
-    spec: ModelSpec,
-    recipe: Recipe,
-    lr: float,
-    guard: SpikeGuard,
-    step: int = 1,
-) -> StepStats:
-    """One optimizer step (1-based ``step``, which seeds random MoE routing) over this
-    rank's slice of a global batch."""
-    tensors = {k: torch.from_numpy(batch[k]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
-    sums, n_global, moe_terms = accumulate_gradients(
-        model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, step=step
-    )
-    d.all_reduce_sum(sums)
-    ce_mean, z_mean = (sums / n_global).tolist()
-    loss = ce_mean + spec.z_loss_weight * z_mean
-    moe = None
-    if moe_terms:
-        merged = merge_micro_steps(moe_terms)
-        assert spec.moe is not None  # only MoE layers return stats
-        loss += float(merged.weighted(spec.moe, recipe.moe.routing))
-        moe = moe_step_metrics(merged, ep_size=recipe.torch.expert_parallel)
-
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    norm = grad_global_norm(params)
-    grad_norm = float(norm)
-    if guard.decide(step, loss, grad_norm):  # raises for a non-finite step the guard cannot skip
-        optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss, ce_mean, z_mean, grad_norm, True, moe)
-    if recipe.optim.grad_clip is not None:
-        clip_gradients(params, recipe.optim.grad_clip, norm)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, ce_mean, z_mean, grad_norm, False, moe)
-
-
-def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distributed) -> bool:
-    """Whether every parameter and optimizer moment is finite on every rank (each rank checks
-    its own shards; one all-reduce of the count of non-finite tensors)."""
-    tensors = [
-        *model.parameters(),
-        *(
-            v
-            for st in optimizer.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor) and v.is_floating_point()
-        ),
-    ]
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in local)
-    return d.all_reduce_sum(torch.tensor(float(bad), dtype=torch.float64, device=d.device)).item() == 0
-
-
-# ---- evaluation --------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, loader: MixtureLoader, d: Distributed, recipe: Recipe) -> dict[str, dict[str, float]]:
-    """Token-weighted CE over each held-out source's fixed evaluation set. A batch whose rows
-    divide over the (data-parallel) ranks is split; otherwise every rank runs it whole (sharded
-    weights need every rank in each forward) and only rank 0's sums count (under context
-    parallelism: its context group's, each rank its own columns)."""
-    out = {}
-    context = context_of(model)
-    dp_rank, dp_size = (context.dp_rank, context.dp_size) if context is not None else (d.rank, d.world_size)
-    for name in loader.mixture.held_out_sources:
-        sums = torch.zeros(2, dtype=torch.float64, device=d.device)
-        for batch in loader.eval_batches(name, recipe.eval.batch_size):
-            rows = batch["input_ids"].shape[0]
-            if rows % dp_size == 0:
-                per = rows // dp_size
-                part, counts = slice(dp_rank * per, (dp_rank + 1) * per), True
-            else:
-                part, counts = slice(0, rows), dp_rank == 0
-            t = {
-                k: torch.from_numpy(batch[k][part]).to(d.device, dtype=torch.long)
-                for k in ("input_ids", "labels", "doc_ids")
-            }
-            if context is not None:
-                t = {k: context.shard(v) for k, v in t.items()}
-            with autocast_context(model, recipe.train.precision, d.device):
-                loss_sums = model(
-                    t["input_ids"], t["doc_ids"] if recipe.train.document_masking else None, labels=t["labels"]
-                ).loss_sums
-            ce = loss_sums[1]
-            if counts:
-                sums += torch.stack([ce.double(), (t["labels"] != IGNORE_INDEX).sum().double()])
-        d.all_reduce_sum(sums)
-        ce_total, n = sums.tolist()
-        loss = ce_total / max(n, 1.0)
-        out[name] = {"loss": loss, "perplexity": perplexity(loss), "tokens": int(n)}
-    return out
-
-
-# ---- throughput reference ------------------------------------------------------------------------
-
-
-def measure_cpu_matmul_peak(size: int = 1024, repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of a size x size matmul in torch on this process's CPU threads (1024 is
-    large enough to reach the 2048 figure on a 2-core CI machine, at an eighth of the work)."""
-    a = torch.ones(size, size)
-    a @ a
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ a
-        best = min(best, time.perf_counter() - t0)
-    return 2 * size**3 / best
-
-
-def device_peak(device: torch.device) -> tuple[float, str]:
-    """(peak FLOP/s per device, label): the bf16 table peak on GPUs, a measured matmul on CPU."""
-    if device.type == "cuda":
-        entry = resolve_device_kind(torch.cuda.get_device_name(device))
-        return entry.bf16_flops_per_device, f"{entry.kind} bf16 {entry.bf16_flops_per_device / 1e12:.0f} TFLOP/s"
-    peak = measure_cpu_matmul_peak()
-    return peak, f"measured cpu fp32 matmul {peak / 1e9:.1f} GFLOP/s"
-
-
-# ---- the run -----------------------------------------------------------------------------------
-
-
-def prepare_model(
-    model: OlmoModel,
-    recipe: Recipe,
-    d: Distributed,
-    mesh: DeviceMesh | None,
-    experts: DeviceMesh | None,
-    *,
-    materialize: Callable[[nn.Module], None] | None = None,
-) -> nn.Module:
-    """The recipe's MoE knobs (``moe.routing``, ``moe.mxfp8``; this rank's place among the
-    data-parallel ranks) on a freshly built model, then ``parallelize`` (expert parallelism
-    over ``experts``, the ``torch.parallel`` wrapper over ``mesh``; ``materialize`` gives a
-    model built on the meta device its storage and values)."""
-    if model.spec.moe is not None:
-        configure_moe(
-            model,
-            routing=recipe.moe.routing,
-            seed=recipe.train.seed,
-            dp_rank=d.rank,
-            dp_size=d.world_size,
-            mxfp8=recipe.moe.mxfp8,
-        )
-    return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts, materialize=materialize)
-
-
-def start_model(
-    recipe: Recipe,
-    spec: ModelSpec,
-    d: Distributed,
-    mesh: DeviceMesh | None,
-    experts: DeviceMesh | None,
-    *,
-    hf_files: list[Path] | None = None,
-    allocate_only: bool = False,
-) -> nn.Module:
-    """The trainer's start-up: build on the meta device, ``prepare_model`` (parallelize), then
-    allocate this rank's shards only (``to_empty``) and fill them: from ``olmo_model.init`` for
-    ``train.seed``, from the blocks of the HF ``hf_files`` this rank holds (headers checked
-    first), or not at all with ``allocate_only`` (a DCP checkpoint is loaded into them next, or
-    the dry run measures memory). No rank holds the full model unless the layout gives it one
-    (DDP, one process)."""
-
-    def materialize(model: nn.Module) -> None:
-        model.to_empty(device=d.device)
-        if allocate_only:
-            return
-        if hf_files is None:
-            fill_local_shards(model, init_reader(spec, recipe.train.seed))
-            return
-        with SafetensorsBlocks(hf_files) as blocks:
-            blocks.validate(spec, f"init.checkpoint={recipe.init.checkpoint}")
-            fill_local_shards(model, blocks)
-
-    with torch.device("meta"):
-        model = OlmoModel(spec)
-    return prepare_model(model, recipe, d, mesh, experts, materialize=materialize)
 
 
 def train(recipe: Recipe) -> RunPath:
     """Run (or resume) the recipe's job on this process; returns the run dir. Every check
-    runs before this process joins the process group or writes anything."""
-    rank, world_size, _ = process_layout()
-    if rank == 0:
-        print("# resolved recipe\n" + recipe.to_yaml(), flush=True)
-    # Context parallelism: C consecutive ranks share one data-parallel rank's rows.
-    cp = recipe.torch.context_parallel
-    plan = plan_run(
-        recipe,
-        FRAMEWORK,
-        dp_size=max(world_size // cp, 1),
-        loader_rank=rank // cp,
-        loader_size=max(world_size // cp, 1),
-        check_spec=lambda spec: check_parallel(recipe.torch, world_size, spec),
-    )
-    check_context_sequence(recipe.torch, plan.sequence_length)
-    if announce_finished(plan, rank == 0):
-        return plan.run_dir
-    d = init_distributed(recipe.torch.backend)
-    check_shared_run_dir(plan.run_dir, d.rank, d.world_size, d.all_gather_text)
-    mesh = build_mesh(d, recipe.torch)
-    experts = build_expert_mesh(d, recipe.torch)
-    mode = recipe.torch.parallel if mesh is not None else "none (single process)"
-    # ignores: DeviceMesh.mesh_dim_names is None only for an unnamed mesh; both builders name theirs.
-    describe = (
-        f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
-        + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")  # type: ignore[arg-type]
-        + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else "")  # type: ignore[arg-type]
-        + (f", context parallel {cp} (data-parallel {d.world_size // cp})" if cp > 1 else "")
-    )
-    return run(
-        plan,
-        lambda: TorchTrainModule(plan, d, mesh, experts),
-        is_main=d.is_main,
-        describe=[describe],
-        title=f"olmo-train-torch: {plan.run_dir}",
-    )
+    that needs no process group runs before this process joins one, and nothing is written
+    before every check has passed."""
+    return start(recipe, TorchTrainer(recipe))
+
+
+class TorchTrainer(Trainer):
+    """The torch start-up hooks of ``olmo_run.startup``."""
+
+    framework = FRAMEWORK
+    prog = "olmo-train-torch"
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def dp_size(self, world_size: int) -> int:
+        """Data-parallel ranks: context parallelism has C consecutive ranks share one's rows."""
+        return max(world_size // self.recipe.torch.context_parallel, 1)
+
+    def check(self, inputs: Inputs) -> None:
+        """The layout against torchrun's launched world size, before joining its group."""
+        _, world_size, _ = process_layout()
+        check_layout(self.recipe.torch, world_size, inputs.spec, inputs.sequence_length)
+        inputs.batch_layout(self.dp_size(world_size))
+
+    def init_distributed(self) -> Processes:
+        """Join the process group; the device meshes of ``torch.parallel`` and the experts."""
+        self.d = d = init_distributed(self.recipe.torch.backend)
+        self.mesh = build_mesh(d, self.recipe.torch)
+        self.experts = build_expert_mesh(d, self.recipe.torch)
+        return Processes(d.rank, d.world_size, d.all_gather_text)
+
+    def data_parallel(self, inputs: Inputs) -> tuple[tuple[int, ...], int]:
+        return (self.d.rank // self.recipe.torch.context_parallel,), self.dp_size(self.d.world_size)
+
+    def describe(self) -> list[str]:
+        d, mesh, experts, cp = self.d, self.mesh, self.experts, self.recipe.torch.context_parallel
+        mode = self.recipe.torch.parallel if mesh is not None else "none (single process)"
+        # ignores: DeviceMesh.mesh_dim_names is None only for an unnamed mesh; both builders name theirs.
+        return [
+            f"parallel: {mode} over {d.world_size} rank(s) on {d.device.type}"
+            + (f", mesh {dict(zip(mesh.mesh_dim_names, mesh.shape))}" if mesh is not None else "")  # type: ignore[arg-type]
+            + (f", experts on mesh {dict(zip(experts.mesh_dim_names, experts.shape))}" if experts is not None else "")  # type: ignore[arg-type]
+            + (f", context parallel {cp} (data-parallel {d.world_size // cp})" if cp > 1 else "")
+        ]
+
+    def build_module(self, setup: RunSetup) -> TorchTrainModule:
+        return TorchTrainModule(setup, self.d, self.mesh, self.experts)
+
+
+def cpu_matmul(size: int):
+    """A size x size fp32 matmul in torch on this process's CPU threads; each call runs it
+    (``olmo_run.measure.matmul_peak`` times it)."""
+    a = torch.ones(size, size)
+    return lambda: a @ a
 
 
 class TorchTrainModule:
@@ -461,26 +100,26 @@ class TorchTrainModule:
 
     framework = FRAMEWORK
 
-    def __init__(self, plan: RunPlan, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None):
-        recipe = plan.recipe
-        self.plan, self.d = plan, d
+    def __init__(self, setup: RunSetup, d: Distributed, mesh: DeviceMesh | None, experts: DeviceMesh | None):
+        recipe = setup.recipe
+        self.setup, self.d = setup, d
         d.barrier()  # rank 0 has written the run dir
         torch.manual_seed(recipe.train.seed)
-        init = plan.init
+        init = setup.init
         # A resume wins over recipe.init; both a resume and a trainer checkpoint as init load DCP.
-        hf_init = init if plan.resume is None and init is not None and init.is_hf else None
+        hf_init = init if setup.resume is None and init is not None and init.is_hf else None
         self.model = start_model(
             recipe,
-            plan.spec,
+            setup.spec,
             d,
             mesh,
             experts,
             hf_files=hf_init.safetensors_files() if hf_init is not None else None,
-            allocate_only=plan.resume is not None or (init is not None and not init.is_hf),
+            allocate_only=setup.resume is not None or (init is not None and not init.is_hf),
         )
         self.optimizer = make_optimizer(self.model, recipe, d.device)
-        if plan.resume is not None:
-            _, ckpt, meta = plan.resume
+        if setup.resume is not None:
+            _, ckpt, meta = setup.resume
             load_checkpoint(ckpt, d, self.model, self.optimizer)
             apply_recipe_hyperparams(self.optimizer, recipe)
             set_rng_state(meta.get("rng", {}))
@@ -489,43 +128,51 @@ class TorchTrainModule:
             if init.load_optimizer:
                 apply_recipe_hyperparams(self.optimizer, recipe)
         self.n_devices = d.world_size
-        # Only rank 0 writes the train line, whose MFU the peak divides; measured there alone, so
-        # that no other rank's measurement competes with it for the CPU.
-        self.peak = device_peak(d.device) if d.rank == 0 else (math.nan, "measured by rank 0")
         self.cuda = d.device.type == "cuda"
+        self.peak_before = 0.0  # the CUDA memory peak before this step's reset (start-up's included)
         self.checkpointer = Checkpointer(
-            plan.run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep
+            setup.run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep
         )
 
-    def train_step(self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard) -> StepResult:
-        plan, d = self.plan, self.d
-        if self.cuda:
+    def train_step(
+        self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard, metrics: StepMetrics
+    ) -> None:
+        setup, d = self.setup, self.d
+        if self.cuda:  # this step's own peak (gpu_peak_mem_gib); the run's is kept in peak_before
+            self.peak_before = max(self.peak_before, float(torch.cuda.max_memory_allocated(d.device)))
             torch.cuda.reset_peak_memory_stats(d.device)
         stats = train_step(
             self.model,
             self.optimizer,
             batch,
-            layout=plan.layout,
+            layout=setup.layout,
             d=d,
-            spec=plan.spec,
-            recipe=plan.recipe,
+            spec=setup.spec,
+            recipe=setup.recipe,
             lr=lr,
             guard=guard,
             step=step,
         )
-        extra: dict[str, Any] = dict(stats.moe or {})
+        for name, value in (
+            ("loss", stats.loss),
+            ("ce_loss", stats.ce_loss),
+            ("z_loss", stats.z_loss),
+            ("grad_norm", stats.grad_norm),
+            ("skipped", stats.skipped),
+            *(stats.moe or {}).items(),
+        ):
+            metrics.record(name, value)
         if self.cuda:
-            extra["gpu_peak_mem_gib"] = torch.cuda.max_memory_allocated(d.device) / 2**30
-        return StepResult(stats.loss, stats.ce_loss, stats.z_loss, stats.grad_norm, stats.skipped, extra)
+            metrics.record("gpu_peak_mem_gib", torch.cuda.max_memory_allocated(d.device) / 2**30)
 
-    def evaluate(self) -> dict[str, dict[str, float]]:
-        return evaluate(self.model, self.plan.loader, self.d, self.plan.recipe)
+    def eval_sums(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
+        return eval_sums(self.model, batch, self.d, self.setup.recipe)
 
     def state_is_finite(self) -> bool:
         return state_is_finite(self.model, self.optimizer, self.d)
 
     def checkpoint_extra(self) -> dict[str, Any]:
-        return {"rng": rng_state(), "world_size": self.d.world_size, "parallel": self.plan.recipe.torch.parallel}
+        return {"rng": rng_state(), "world_size": self.d.world_size, "parallel": self.setup.recipe.torch.parallel}
 
     def save(self, step: int, meta: dict[str, Any]) -> None:
         self.checkpointer.save(step, self.model, self.optimizer, meta)
@@ -533,11 +180,17 @@ class TorchTrainModule:
     def poll(self) -> None:
         self.checkpointer.poll()
 
-    def memory(self) -> tuple[float, float, str] | None:
-        """CUDA's allocated bytes and their peak on this rank's GPU; None on CPU."""
-        if not torch.cuda.is_available() or self.d.device.type != "cuda":
+    def device_memory(self) -> tuple[float, float] | None:
+        """CUDA's allocated bytes on this rank's GPU and their peak since the process started; None on CPU."""
+        if not torch.cuda.is_available() or not self.cuda:
             return None
-        return float(torch.cuda.memory_allocated()), float(torch.cuda.max_memory_allocated()), "device"
+        return float(torch.cuda.memory_allocated()), max(self.peak_before, float(torch.cuda.max_memory_allocated()))
+
+    def device_kind(self) -> str | None:
+        return torch.cuda.get_device_name(self.d.device) if self.cuda else None
+
+    def matmul(self, size: int):
+        return cpu_matmul(size)
 
     def start_trace(self, folder: Path) -> None:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -557,4 +210,4 @@ class TorchTrainModule:
         return self.d.all_gather_text(text)
 
     def close(self) -> None:
-        self.checkpointer.wait()
+        self.checkpointer.close()
