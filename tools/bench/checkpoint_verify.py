@@ -101,7 +101,7 @@ class TorchDCP:
 
 class JaxOrbax:
     """Orbax, as olmo_train_jax.checkpoint saves {"params", "opt_state", "step"} in ckpt/state and
-    restores it onto abstract arrays (its restore_state)."""
+    restores it onto abstract arrays (its load_checkpoint)."""
 
     name = "jax Orbax"
 
@@ -128,9 +128,9 @@ class JaxOrbax:
     def restore(self, ckpt: Path) -> None:
         import jax
 
-        from olmo_train_jax.checkpoint import restore_state
+        from olmo_train_jax.checkpoint import load_checkpoint
 
-        params, opt_state, _ = restore_state(ckpt, *self.abstract)
+        params, opt_state, _ = load_checkpoint(ckpt, *self.abstract)
         jax.block_until_ready((params, opt_state))
         del params, opt_state
 
