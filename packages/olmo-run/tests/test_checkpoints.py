@@ -33,6 +33,7 @@ from olmo_run.checkpoints import (
 from olmo_run.errors import CheckpointDamagedError, TrainingStateError
 from olmo_run.recipe import Recipe, load_recipe
 from olmo_run.resume import find_resume
+from olmo_run.terminal import show_on_terminal
 
 ARRAY = "state/d/0123abcd"  # where a framework keeps tensor bytes
 BASE = ["--model=tiny", "--train.steps=40", "--train.precision=fp32"]
@@ -60,6 +61,11 @@ def commit(run: Path, step: int, recipe: Recipe) -> Path:
     (ckpt / "state" / "_METADATA").write_bytes(os.urandom(512))
     commit_checkpoint(ckpt, training_meta("jax", step, recipe.model_spec(), recipe, {"step": step}))
     return ckpt
+
+
+@pytest.fixture(autouse=True)
+def terminal() -> None:
+    show_on_terminal()  # olmo_run's log lines reach the captured stdout / stderr, as under the CLI
 
 
 @pytest.fixture

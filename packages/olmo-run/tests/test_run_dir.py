@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from olmo_run.recipe import load_recipe
 from olmo_run.run_dir import RECIPE_HISTORY_FILE, prepare_run_dir
+from olmo_run.terminal import show_on_terminal
+
+
+@pytest.fixture(autouse=True)
+def terminal() -> None:
+    show_on_terminal()  # olmo_run's log lines reach the captured stdout / stderr, as under the CLI
 
 
 def test_a_resume_keeps_the_started_recipe_and_records_each_change_with_its_step(tmp_path, capsys):

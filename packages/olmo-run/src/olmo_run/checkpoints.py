@@ -12,6 +12,7 @@ object written after all the others.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from olmo_model.spec import ModelSpec
 from .errors import CheckpointDamagedError, TrainingStateError, loud
 from .recipe import Recipe
 from .run_dir import RunPath
+
+log = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
 # Format /2 lists every other file of the checkpoint with its size and sha256 (meta["files"]);
@@ -223,4 +226,4 @@ def clean_orphans(run_dir: RunPath) -> None:
                 stale.append((p, "temporary file of a write that never finished", False))
     for p, why, is_folder in stale:
         fileio.delete(p, recursive=is_folder)
-        print(f"removed {p}: {why}", flush=True)
+        log.info(f"removed {p}: {why}")

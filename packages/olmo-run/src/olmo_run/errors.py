@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-import sys
+import logging
+
+log = logging.getLogger(__name__)
 
 
 class TrainingStateError(ValueError):
@@ -33,5 +35,6 @@ class CheckpointDamagedError(TrainingStateError):
 
 
 def loud(text: str) -> None:
-    """A warning nobody may miss: one line on stderr, starting with "!!!"."""
-    print(f"!!! {text}", file=sys.stderr, flush=True)
+    """A warning nobody may miss: one line, starting with "!!!", logged as a warning (the
+    terminal shows warnings on stderr)."""
+    log.warning(f"!!! {text}")

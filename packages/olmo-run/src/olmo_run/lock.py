@@ -38,6 +38,7 @@ are read at each use.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
@@ -54,6 +55,8 @@ from olmo_data.fileio import StorageError
 from olmo_run.checkpoints import pid_alive
 from olmo_run.recipe import RecipeError
 from olmo_run.run_dir import RunPath
+
+log = logging.getLogger(__name__)
 
 RUN_LOCK_FILE = "RUN_LOCK"
 # Seconds between the holder's heartbeat writes (the driver loop calls refresh every step).
@@ -190,7 +193,7 @@ class RunLock:
             self.record["heartbeat"] = _iso(_now())
             fileio.write_text(self.path, json.dumps(self.record))  # also restores a deleted lock
         except (OSError, StorageError) as err:
-            print(f"warning: {self.path}: heartbeat not written ({err}); retrying in {HEARTBEAT_S:.0f} s", flush=True)
+            log.info(f"warning: {self.path}: heartbeat not written ({err}); retrying in {HEARTBEAT_S:.0f} s")
 
     def release(self) -> None:
         """Delete the lock if it is still ours; a failure is one warning line, never an error
@@ -204,7 +207,8 @@ class RunLock:
                 if held is not None and held.get("token") == self.token:
                     fileio.delete(self.path)
         except Exception as err:
-            print(f"warning: {self.path}: run-dir lock not released ({err}); delete it by hand", flush=True)
+            # INFO: with the run's lines on stdout; stderr keeps the one line of the error the run ends with
+            log.info(f"warning: {self.path}: run-dir lock not released ({err}); delete it by hand")
 
 
 def acquire(run_dir: RunPath, argv: list[str] | None = None) -> RunLock:
@@ -251,7 +255,7 @@ def acquire(run_dir: RunPath, argv: list[str] | None = None) -> RunLock:
         if back.get("token") != record["token"]:
             raise _refusal(path, back)
         if took_over:
-            print(took_over, flush=True)
+            log.info(took_over)
         return RunLock(path, record)
     held = _read(path)
     raise _refusal(path, held if held is not None else {"unreadable": "it kept changing during this start"})

@@ -3,6 +3,7 @@ is written (its framework and spec, the recipe's maths, the loader state)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -14,6 +15,8 @@ from .checkpoints import complete_checkpoints, read_verified_meta
 from .errors import CheckpointDamagedError, TrainingStateError, loud
 from .recipe import MoESection, OptimSection, Recipe, TrainSection
 from .run_dir import RunPath
+
+log = logging.getLogger(__name__)
 
 
 def check_meta_fits(meta: dict[str, Any], ckpt: RunPath, spec: ModelSpec, framework: str | None = None) -> None:
@@ -87,10 +90,9 @@ def _maths_changes(
         )
         key = "train.steps" if recipe.train.steps is not None else "train.tokens (in steps)"
         if first is None:
-            print(
+            log.info(
                 f"{key}: {old_total} -> {new_total}; the {sched.kind} schedule gave steps 1-{step} the same "
-                "LR under both, so the run continues as if planned that way",
-                flush=True,
+                "LR under both, so the run continues as if planned that way"
             )
         else:
             changes.append(

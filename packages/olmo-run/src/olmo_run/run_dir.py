@@ -28,6 +28,7 @@ Credentials, or ``STORAGE_EMULATOR_HOST`` for an emulator.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import urllib.parse
@@ -39,6 +40,8 @@ import yaml
 from olmo_data import fileio
 from olmo_data.fileio import URLPath
 from olmo_model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from olmo_run.recipe import Recipe
@@ -131,7 +134,7 @@ def prepare_run_dir(recipe: Recipe, spec: ModelSpec, is_main: bool = True, resum
             changes = recipe_changes(effective or {}, current)
             if changes:
                 for key, (old, new) in changes.items():
-                    print(f"recipe change at step {resumed_at}: {key}: {old!r} -> {new!r}", flush=True)
+                    log.info(f"recipe change at step {resumed_at}: {key}: {old!r} -> {new!r}")
                 record = {"step": resumed_at, "changes": changes, "recipe": recipe.to_yaml()}
                 lines = [json.dumps(r) for r in [*history, record]]
                 # whole, never half a line
