@@ -54,8 +54,6 @@ def fetch_source(src: str) -> str:
             f"{src}: only trainer checkpoints ({', '.join(k + ':' for k in TRAINER_KINDS)}) are read from gs:// or "
             f"s3://; download the {kind}: folder first and name the local copy"
         )
-    import olmo_run.run_dir  # noqa: F401  (serves gs:// and s3:// paths)
-
     url = run_path(path)
     assert isinstance(url, URLPath)
     try:
