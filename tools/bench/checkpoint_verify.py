@@ -153,7 +153,9 @@ def bench(fmt, root: Path, meta: dict, repeats: int) -> dict[str, list[float]]:
             ckpt.mkdir(parents=True)
 
         def save_plain():
-            out["save"].append(timed(lambda: (fmt.save(plain), fileio.write_text(plain / "meta.json", json.dumps(meta)))))
+            out["save"].append(
+                timed(lambda: (fmt.save(plain), fileio.write_text(plain / "meta.json", json.dumps(meta))))
+            )
 
         def save_summed():
             saved = timed(lambda: fmt.save(summed))
