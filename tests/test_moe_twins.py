@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from olmo_model import MoESpec, get_preset, reference
+from olmo_model import get_preset, reference
 from olmo_train_jax import model_from_hf
 from olmo_train_jax.grouped_gemm import ExpertWeights
 from olmo_train_jax.grouped_gemm import mxfp8_quantize as jax_mxfp8_quantize
@@ -22,21 +22,7 @@ from olmo_train_jax.moe import moe_block
 from olmo_train_torch.moe import MoE as TorchMoE
 from olmo_train_torch.moe import mxfp8_quantize as torch_mxfp8_quantize
 
-# Sigmoid router, renormalised top-k, two shared experts of another width, 2 layers.
-VARIANT = get_preset("tiny-moe").replace(
-    n_layers=2,
-    moe=MoESpec(
-        n_experts=8,
-        top_k=3,
-        expert_hidden=32,
-        n_shared_experts=2,
-        shared_expert_hidden=48,
-        gating="sigmoid",
-        normalize_top_k=True,
-        load_balancing_loss_weight=0.05,
-        router_z_loss_weight=0.01,
-    ),
-)
+VARIANT = get_preset("tiny-moe-sigmoid")  # sigmoid router, renormalised top-k, two shared experts
 
 
 def _numpy_layer(spec, params, layer):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from flax import nnx
 
-from olmo_model import MoESpec, get_preset, reference
+from olmo_model import get_preset, reference
 from olmo_model.moe import rank_load_max_over_mean
 from olmo_train_jax import model_from_hf, to_hf
 from olmo_train_jax.grouped_gemm import ExpertWeights, tiled_swiglu
@@ -29,21 +29,7 @@ from olmo_train_jax.moe import (
 )
 
 TINY_MOE = get_preset("tiny-moe")
-# Sigmoid router, renormalised top-k, two shared experts of another width, 2 layers.
-VARIANT = TINY_MOE.replace(
-    n_layers=2,
-    moe=MoESpec(
-        n_experts=8,
-        top_k=3,
-        expert_hidden=32,
-        n_shared_experts=2,
-        shared_expert_hidden=48,
-        gating="sigmoid",
-        normalize_top_k=True,
-        load_balancing_loss_weight=0.05,
-        router_z_loss_weight=0.01,
-    ),
-)
+VARIANT = get_preset("tiny-moe-sigmoid")  # sigmoid router, renormalised top-k, two shared experts
 IGNORE = -100
 
 

@@ -54,6 +54,26 @@ _TINY: dict[str, dict[str, Any]] = {
         moe=dict(n_experts=8, top_k=4, expert_hidden=64, n_shared_experts=1),
         **_TINY_COMMON,
     ),
+    # Every MoE option off its default (sigmoid router, renormalised top-k, two shared experts of
+    # another width, both aux losses weighted), 2 layers: the MoE tests' second configuration.
+    "tiny-moe-sigmoid": dict(
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        mlp_hidden=192,
+        moe=dict(
+            n_experts=8,
+            top_k=3,
+            expert_hidden=32,
+            n_shared_experts=2,
+            shared_expert_hidden=48,
+            gating="sigmoid",
+            normalize_top_k=True,
+            load_balancing_loss_weight=0.05,
+            router_z_loss_weight=0.01,
+        ),
+        **_TINY_COMMON,
+    ),
     "small-moe-64": dict(
         d_model=128,
         n_layers=4,
