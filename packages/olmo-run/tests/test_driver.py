@@ -30,11 +30,13 @@ from olmo_data import load_mixture
 from olmo_model import flops_per_token
 from olmo_run import StepMetrics, announce_finished, loop, read_inputs, resolve_run, run
 from olmo_run.checkpoints import checkpoint_dir, commit_checkpoint, complete_checkpoints
+from olmo_run.console import throughput
 from olmo_run.errors import TrainingDivergedError
 from olmo_run.measure import host_memory
 from olmo_run.metrics import TRAIN_KEYS, read_metrics
 from olmo_run.recipe import RecipeError, load_recipe
 from olmo_run.sinks import check_sinks, scalars
+from olmo_run.terminal import show_on_terminal
 
 STEPS = 6
 
@@ -380,6 +382,42 @@ def test_train_line_data_wait_and_memory(mixture, tmp_path):
         assert 0 < r["memory_gib"] <= r["memory_peak_gib"] <= peak_now / 2**30
     # The peak is never below the kernel's own high-water mark.
     assert peak_now >= kernel_peak and now > 0
+
+
+def test_summary_throughput_is_tokens_over_the_steps_time(mixture, tmp_path, capsys):
+    """The summary's tokens/s/device is the timed steps' tokens over their summed step_time (step 1,
+    which compiles, left out), not the mean of per-step rates; its MFU the same tokens/time over
+    the peak; the per-step rates' p10-p90 beside them."""
+    show_on_terminal()
+    sleeps = {2: 0.02, 3: 0.3, 4: 0.05, 5: 0.1, 6: 0.02}  # uneven: a mean of rates would be ~2.5x off
+    run_dir = go(recipe_for(mixture, tmp_path / "run"), [], sleep_at=sleeps)
+    train = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    timed = [r for r in train if r["step"] >= 2]
+    assert [r["step"] for r in timed] == [2, 3, 4, 5, 6]
+    assert all(r["step_time"] >= sleeps[r["step"]] for r in timed)
+    seconds = sum(r["step_time"] for r in timed)
+    # 5 steps of 8 sequences x 32 tokens, over 2 devices
+    expected = 5 * 8 * 32 / 2 / seconds
+    mean_of_rates = sum(r["tokens_per_second_per_device"] for r in timed) / 5
+    assert mean_of_rates > 1.2 * expected  # the figure the summary used to print
+    got = throughput(train)
+    assert got.steps == "steps 2-6"
+    assert got.tokens_per_second == pytest.approx(expected, rel=1e-12)
+    # The test peak is 1e12 FLOP/s per device.
+    fpt = flops_per_token(recipe_for(mixture, tmp_path / "run").model_spec(), 32)
+    assert got.mfu == pytest.approx(fpt * expected / 1e12, rel=1e-12)
+    rates = sorted(8 * 32 / 2 / r["step_time"] for r in timed)
+    # p10 / p90 of 5 values, linearly interpolated: 0.4 / 3.6 of the way along the sorted list
+    p10, p90 = rates[0] + 0.4 * (rates[1] - rates[0]), rates[3] + 0.6 * (rates[4] - rates[3])
+    assert got.rate_spread == f"p10-p90 {p10:,.0f}-{p90:,.0f}"
+    assert got.peak == "test peak 1 TFLOP/s"
+    summary = capsys.readouterr().err
+    (row,) = [line for line in summary.splitlines() if "tokens/s/device, steps 2-6" in line]
+    assert f" {expected:,.0f} (per step p10-p90 {p10:,.0f}-{p90:,.0f})" in row
+    (row,) = [line for line in summary.splitlines() if "MFU, steps 2-6" in line]
+    assert f" {fpt * expected / 1e12:.1%} (per step p10-p90 " in row
+    (row,) = [line for line in summary.splitlines() if "MFU of" in line]
+    assert "test peak 1 TFLOP/s" in row
 
 
 def test_profile_window(mixture, tmp_path):

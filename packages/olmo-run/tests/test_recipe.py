@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -110,6 +111,37 @@ def test_spike_guard_skips_far_outliers_only():
     restored = SpikeGuard(enabled=True, window=50, sigma=6.0, min_history=20)
     restored.load_state_dict(json.loads(json.dumps(g.state_dict())))
     assert restored.should_skip(2.61, 1.0) and not restored.should_skip(2.5, 1.2)
+
+
+def test_each_trainer_has_its_own_default_run_dir_and_a_named_recipe_shares_one():
+    default = load_recipe(None, [])
+    assert default.run_dir is None  # as --print-recipe shows it
+    assert default.for_framework("jax").resolved_run_dir() == Path("runs/default-jax")
+    assert default.for_framework("torch").resolved_run_dir() == Path("runs/default-torch")
+    # A named recipe keeps runs/<name> in either trainer: a curriculum stage's init.checkpoint
+    # names the previous stage's run dir that way.
+    named = load_recipe(None, ["--name=toy-stage1"])
+    assert named.for_framework("jax").resolved_run_dir() == Path("runs/toy-stage1")
+    assert named.for_framework("torch").resolved_run_dir() == Path("runs/toy-stage1")
+    given = load_recipe(None, ["--run_dir=elsewhere/a"])
+    assert given.for_framework("torch").resolved_run_dir() == Path("elsewhere/a")
+
+
+def test_a_run_dir_of_the_other_trainer_is_named_with_the_fresh_run_first(tmp_path):
+    spec = get_preset("tiny")
+    run_dir = tmp_path / "runs" / "toy"
+    ckpt = run_dir / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    commit_checkpoint(ckpt, training_meta("jax", 10, spec, load_recipe(None, ["--model=tiny"]), {"step": 10}))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    with pytest.raises(TrainingStateError) as refused:
+        check_meta_fits(meta, ckpt, spec, "torch")
+    assert str(refused.value) == (
+        f"{run_dir} holds a jax run (a jax checkpoint cannot be resumed by the torch trainer): for a new torch "
+        f"run pass --run_dir={run_dir}-torch (or another --run_dir or --name); to continue that run in torch, "
+        f"convert it with `olmo-convert jax-run:{run_dir} torch-run:{run_dir}-torch` and run "
+        f"`olmo-train-torch {run_dir}-torch/recipe.yaml`"
+    )
 
 
 def test_checkpoint_meta_commit_and_checks(tmp_path):

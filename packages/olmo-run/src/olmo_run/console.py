@@ -5,7 +5,10 @@ run's lines, stderr for the summary table)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .metrics import read_metrics
 from .run_dir import RunPath, local_copy
@@ -55,6 +58,47 @@ class ProgressConsole:
             self.progress = None
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """The summary's throughput over the timed steps (all logged steps but the first, which
+    includes compilation): tokens over the wall time the steps took, not a mean of per-step
+    rates (which a few fast steps inflate), and the per-step rates' spread beside it."""
+
+    steps: str  # which steps, e.g. "steps 2-30"
+    tokens_per_second: float  # per device: sum of the steps' tokens / sum of their step_time
+    mfu: float  # the same tokens / time as a fraction of the peak
+    rate_spread: str  # p10-p90 of the per-step tokens/s/device
+    mfu_spread: str  # p10-p90 of the per-step MFU
+    peak: str  # what MFU divides by (the last step's)
+
+
+def throughput(train: list[dict[str, Any]]) -> Throughput:
+    """``Throughput`` of a run's train records (metrics.jsonl's, at least one)."""
+    timed = train[1:] or train
+    seconds = [r["step_time"] for r in timed]
+    total = sum(seconds)
+    # A step's tokens per device are its rate times its time; MFU is linear in the rate, so the
+    # MFU of the summed tokens over the summed time is the time-weighted mean of the steps' MFU.
+    tokens = sum(r["tokens_per_second_per_device"] * s for r, s in zip(timed, seconds, strict=True))
+    mfu = sum(r["mfu"] * s for r, s in zip(timed, seconds, strict=True)) / total
+    first, last = timed[0]["step"], timed[-1]["step"]
+    steps = (
+        f"steps {first}-{last}" if last - first + 1 == len(timed) else f"{len(timed)} logged steps of {first}-{last}"
+    )
+    if first == last:
+        steps = f"step {first}"
+    rate_lo, rate_hi = np.percentile([r["tokens_per_second_per_device"] for r in timed], [10, 90])
+    mfu_lo, mfu_hi = np.percentile([r["mfu"] for r in timed], [10, 90])
+    return Throughput(
+        steps=steps,
+        tokens_per_second=tokens / total,
+        mfu=mfu,
+        rate_spread=f"p10-p90 {rate_lo:,.0f}-{rate_hi:,.0f}",
+        mfu_spread=f"p10-p90 {mfu_lo:.1%}-{mfu_hi:.1%}",
+        peak=timed[-1]["mfu_peak"],
+    )
+
+
 def print_summary(run_dir: RunPath, title: str) -> None:
     """A short table at the end of a run: first/last loss, held-out losses, throughput; drawn
     for stderr (its width and colours) and logged on ``terminal.SUMMARY_LOGGER``."""
@@ -71,10 +115,10 @@ def print_summary(run_dir: RunPath, title: str) -> None:
         table.add_row("steps", str(train[-1]["step"]))
         table.add_row("first loss", f"{train[0]['loss']:.4f}")
         table.add_row("last loss", f"{train[-1]['loss']:.4f}")
-        timed = train[1:] or train  # the first step includes compilation
-        tps = sum(r["tokens_per_second_per_device"] for r in timed) / len(timed)
-        table.add_row("tokens/s/device (mean, excl. step 1)", f"{tps:,.0f}")
-        table.add_row("MFU (mean)", f"{sum(r['mfu'] for r in timed) / len(timed):.1%} of {train[-1]['mfu_peak']}")
+        t = throughput(train)
+        table.add_row(f"tokens/s/device, {t.steps}", f"{t.tokens_per_second:,.0f} (per step {t.rate_spread})")
+        table.add_row(f"MFU, {t.steps}", f"{t.mfu:.1%} (per step {t.mfu_spread})")
+        table.add_row("MFU of", t.peak)
         table.add_row("skipped steps", str(sum(1 for r in train if r.get("skipped"))))
     if evals:
         for name, vals in evals[-1]["eval"].items():

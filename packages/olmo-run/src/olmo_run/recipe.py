@@ -27,6 +27,8 @@ from olmo_model.yamlfile import parse_yaml, read_yaml
 
 from .run_dir import RunPath, run_path
 
+DEFAULT_NAME = "default"  # a recipe's name when it gives none (``Recipe.for_framework``)
+
 
 class RecipeError(ValueError):
     """A recipe that cannot run; the message names the file, the key and the fix."""
@@ -181,8 +183,12 @@ class TorchSection(_Section):
 
 
 class Recipe(_Section):
-    name: str = "default"  # names the run dir unless run_dir is given
-    run_dir: str | None = None  # default: runs/<name>
+    name: str = DEFAULT_NAME  # names the run dir unless run_dir is given
+    # Default: runs/<name>, in either trainer, so that a curriculum stage's init.checkpoint
+    # (runs/<previous stage>/checkpoints/latest) names the previous stage's run whichever trainer
+    # ran it; the default name's is runs/default-<framework>, one per trainer, so that the
+    # README's olmo-train-jax then olmo-train-torch make two fresh runs, not one the other refuses.
+    run_dir: str | None = None
     model: str | dict[str, Any] = "small"  # a preset name, a spec file, or a dict of spec fields
     data: DataSection = DataSection()
     optim: OptimSection = OptimSection()
@@ -220,6 +226,13 @@ class Recipe(_Section):
             return self.train.steps
         assert self.train.tokens is not None
         return -(-self.train.tokens // self.train.global_batch_tokens)
+
+    def for_framework(self, framework: str) -> Recipe:
+        """This recipe as ``framework``'s trainer runs it: with the default name and no run_dir,
+        run_dir is runs/default-<framework> (each trainer its own default run); else unchanged."""
+        if self.run_dir or self.name != DEFAULT_NAME:
+            return self
+        return self.model_copy(update={"run_dir": f"runs/{DEFAULT_NAME}-{framework}"})
 
     def resolved_run_dir(self) -> RunPath:
         """The run dir: a local Path, or an `olmo_data.fileio.URLPath` for gs:// and s3:// (contract 8)."""

@@ -20,11 +20,18 @@ log = logging.getLogger(__name__)
 
 
 def check_meta_fits(meta: dict[str, Any], ckpt: RunPath, spec: ModelSpec, framework: str | None = None) -> None:
-    """Refuse a checkpoint of another framework or spec, naming the first differing field."""
-    if framework is not None and meta.get("framework") != framework:
+    """Refuse a checkpoint of another framework or spec, naming the first differing field. A run
+    dir of the other trainer is named as such, the fresh run's fix first (the usual intent: the
+    same recipe in the other trainer), then the conversion that continues it."""
+    theirs_framework = meta.get("framework")
+    if framework is not None and theirs_framework != framework:
+        run_dir, new_dir = ckpt.parent.parent, f"{ckpt.parent.parent}-{framework}"
         raise TrainingStateError(
-            f"{ckpt}: a {meta.get('framework')} checkpoint cannot be resumed by the {framework} trainer; "
-            f"convert it first with olmo-convert"
+            f"{run_dir} holds a {theirs_framework} run (a {theirs_framework} checkpoint cannot be resumed by the "
+            f"{framework} trainer): for a new {framework} run pass --run_dir={new_dir} (or another --run_dir or "
+            f"--name); to continue that run in {framework}, convert it with `olmo-convert "
+            f"{theirs_framework}-run:{run_dir} {framework}-run:{new_dir}` and run "
+            f"`olmo-train-{framework} {new_dir}/recipe.yaml`"
         )
     theirs = ModelSpec.model_validate(meta["spec"])
     if theirs != spec:

@@ -189,6 +189,7 @@ def start(recipe: Recipe, trainer: Trainer) -> RunPath:
     from .driver import run
 
     show_on_terminal()
+    recipe = recipe.for_framework(trainer.framework)
     try:
         inputs: Inputs | None = read_inputs(recipe)
         unread: Exception | None = None
