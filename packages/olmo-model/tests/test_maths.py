@@ -6,6 +6,7 @@ import pytest
 
 from olmo_model import (
     FULL,
+    PEAKS,
     SLIDING,
     ModelSpec,
     UnknownDeviceError,
@@ -142,6 +143,7 @@ def test_mfu_by_hand():
         ("NVIDIA H100 80GB HBM3", "h100", 989e12),
         ("NVIDIA H200", "h200", 989e12),
         ("NVIDIA B200", "b200", 2250e12),
+        ("NVIDIA B300 SXM6 AC", "b300", 2250e12),  # torch's name for an HGX B300's GPU
         ("NVIDIA A100-SXM4-80GB", "a100", 312e12),
         ("TPU v5p", "v5p", 459e12),
         ("TPU v5", "v5p", 459e12),  # what JAX's device_kind says on a v5p
@@ -156,10 +158,20 @@ def test_device_aliases(name, key, per_device):
     assert peak.bf16_flops_per_device == per_device
 
 
-@pytest.mark.parametrize("name", ["TPU v5 lite", "Tesla V100-SXM2-16GB"])
+@pytest.mark.parametrize("name", ["TPU v5 lite", "Tesla V100-SXM2-16GB", "NVIDIA GB200", "NVIDIA GB300"])
 def test_devices_without_a_peak_are_errors(name):
     with pytest.raises(UnknownDeviceError, match="no bf16 peak"):
         resolve_device_kind(name)
+
+
+def test_blackwell_peaks_and_hbm_from_the_datasheets():
+    """HGX B200 / B300 datasheets: 36 PFLOPS FP16/BF16 with sparsity per 8 GPUs, so 36e15 / 2 / 8
+    dense per GPU (OLMo-core 3's B300 MFU denominator, 2250 TFLOP/s); HBM as nvidia-smi totals it:
+    183359 MiB (B200, ~179 GiB: the datasheet's "180 GB") and 275040 MiB (B300, 288.4e9 bytes)."""
+    for kind in ("b200", "b300"):
+        assert PEAKS[kind].bf16_flops_per_device == 36e15 / 2 / 8
+    assert PEAKS["b200"].hbm_bytes / 2**30 == pytest.approx(179.06, abs=0.01)
+    assert PEAKS["b300"].hbm_bytes == pytest.approx(288.4e9, rel=1e-4)
 
 
 def test_unknown_device_is_an_error():
@@ -168,6 +180,7 @@ def test_unknown_device_is_an_error():
     msg = str(err.value)
     assert "\n" not in msg
     assert "unknown device kind 'Banana GPU 9000'" in msg and "h100" in msg and "explicit" in msg
+    assert "b200" in msg and "b300" in msg
 
 
 @pytest.mark.parametrize("count, mean", [(512, 3.0), (1024, 8.3), (4096, 8.3)])

@@ -80,9 +80,23 @@ def test_refuses_what_cannot_fit_and_names_the_knob(capsys):
     assert "torch.activation_checkpointing=true" in plan["advice"]
 
 
+def test_stage1_on_blackwell_plans_the_torch_step_at_the_datasheet_peak(capsys):
+    """B200 / B300 are torch kinds: the same layout as h100:512 (so the same memory), step time
+    scaled by the dense bf16 peaks (989 vs 2250 TFLOP/s) and HBM of nvidia-smi's totals."""
+    rc, out = _plan(capsys, "--devices", "b300:512", "--devices", "b200:512", "--devices", "h100:512")
+    assert rc == 0
+    b300, b200, h100 = out["plans"]
+    assert [p["framework"] for p in out["plans"]] == ["torch"] * 3
+    assert b300["memory_total_gib"] == b200["memory_total_gib"] == h100["memory_total_gib"]
+    assert b300["step_time_s"] == b200["step_time_s"] == pytest.approx(h100["step_time_s"] * 989 / 2250)
+    assert (b300["hbm_gib"], b200["hbm_gib"]) == (pytest.approx(275040 / 1024), pytest.approx(183359 / 1024))
+
+
 def test_unknown_device_and_indivisible_layout(capsys):
     assert plan_main([str(STAGE1), "--devices", "tpu9:8"]) == 2
-    assert "unknown device kind 'tpu9'" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert "unknown device kind 'tpu9'" in err
+    assert len(err.splitlines()) == 1 and "h100, h200, b200, b300" in err
     assert plan_main([str(STAGE1), "--devices", "h100:768"]) == 2
     assert "cannot be split over 768" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""``olmo-train-jax RECIPE --dry-run --devices h100:N / h200:N``: the train step compiled ahead of
+"""``olmo-train-jax RECIPE --dry-run --devices h100:N / h200:N / b200:N / b300:N``: the train step compiled ahead of
 time for NVIDIA GPUs that this machine does not have (JAX's CUDA plugin given the card's
 description, ``aot_targets.gpu_topology_devices``), its numbers checked against references worked out
 by hand: the arguments are the sharded state byte for byte, the FLOPs are the matmuls plus cuDNN's
@@ -123,10 +123,27 @@ def test_gpu_counts_past_one_host_come_in_whole_hosts(recipes, capsys):
     )
 
 
+@pytest.mark.parametrize(("kind", "smi_mib", "capability"), [("b300", 275040, "10.3"), ("b200", 183359, "10.0")])
+def test_one_host_of_eight_blackwells_compiles_for_sm_100_and_sm_103(recipes, kind, smi_mib, capability):
+    """XLA:GPU (ptxas of CUDA 13) targets Blackwell: the abstract device is the card of
+    gpu_targets/KIND.txtpb, the budget JAX's 0.75 of nvidia-smi's total, the arguments the state
+    split over 8 GPUs plus one 256-token row per GPU, byte for byte as on h100:16."""
+    _, devices = aot_targets.gpu_topology_devices(kind, 8)
+    assert devices[0].compute_capability == capability
+    rc, report, _ = cli_json(recipes[8], f"{kind}:8")
+    assert rc == 0 and report["fits"] is True and report["device_kind"] == kind
+    assert f"XLA:GPU ahead-of-time compile for {kind}:8 (1 host x 8 GPUs)" in report["method"]
+    assert report["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert report["hbm_bytes_per_device"] == int(0.75 * smi_mib * 2**20)
+    assert report["memory_bytes"]["arguments"] == _state_bytes(recipes[8], 8) + 2 * (SEQ * 4) + 2 * 4
+    assert report["peak_bytes_per_device"] == sum(report["memory_bytes"].values())
+
+
 def test_kinds_without_a_target_description_are_refused_in_one_line(recipes, capsys):
-    assert main([str(recipes[8]), "--dry-run", "--devices", "b200:8"]) == 2
+    assert main([str(recipes[8]), "--dry-run", "--devices", "a100:8"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "no target description of b200" in err
+    assert len(err.splitlines()) == 1 and "no target description of a100" in err
+    assert "h100, h200, b200, b300" in err
 
 
 def test_the_memory_fraction_is_read_from_jax_s_variable(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from olmo_train_torch.cli import main
 from olmo_train_torch.dry_run import dry_run
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["--model=tiny", "--train.sequence_length=256", "--train.global_batch_tokens=32768", "--train.precision=bf16"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -59,6 +61,27 @@ def test_tiny_on_64_fake_ranks(capsys):
     assert parts["activations"] < plain["memory_bytes"]["activations"]
 
 
+def test_olmo3_1b_on_one_host_of_b300s_and_b200s_within_5_percent_of_olmo_plan(capsys):
+    """The 7B stage-1 recipe (block checkpointing, seq 8192) with the olmo3-1b preset and 8 sequences:
+    one per rank of 8. Blackwell changes only the HBM (nvidia-smi's totals), so both kinds hold the
+    same bytes; olmo-plan within 5% of them, as on the stage-1 recipes (bench/results/2026-12-01-meta-init.md)."""
+    args = [str(ROOT / "recipes/olmo3-7b/stage1.yaml"), "--model=olmo3-1b", "--train.global_batch_tokens=65536"]
+    shapes = list(hf_param_shapes(get_preset("olmo3-1b")).values())
+    params = sum(4 * math.ceil(s[0] / 8) * math.prod(s[1:]) for s in shapes)
+    reports = {}
+    for kind, smi_mib in (("b300", 275040), ("b200", 183359)):
+        status, report = _dry(capsys, *args, "--dry-run", "--devices", f"{kind}:8")
+        assert status == 0 and report["fits"] and report["device_kind"] == kind
+        assert report["hbm_bytes_per_device"] == smi_mib * 2**20
+        assert (report["mesh"], report["per_device_batch"], report["accumulation_steps"]) == ({"dp": 8}, 1, 1)
+        assert report["memory_bytes"]["params"] == params
+        assert report["memory_bytes"]["optimizer"] == 2 * params + 4 * len(shapes)
+        peak = report["peak_bytes_per_device"]
+        assert abs(report["planner_peak_bytes_per_device"] / peak - 1) <= 0.05
+        reports[kind] = peak
+    assert reports["b300"] == reports["b200"]
+
+
 def test_accumulation_reduces_every_micro_step_so_gradients_stay_sharded(capsys):
     """micro_batch_size 1: 2 micro-steps. The gradients at the peak are FSDP2's sharded fp32 ones
     (the reduce-scatter of each micro-step), never a full unsharded copy."""
@@ -93,6 +116,7 @@ def test_a_layout_that_does_not_fit_exits_1_with_the_reason(capsys, tmp_path):
         (["--dry-run"], "--devices KIND:COUNT"),
         (["--dry-run", "--devices", "v5p:8"], "name a GPU kind"),
         (["--dry-run", "--devices", "h900:8"], "h900"),
+        (["--dry-run", "--devices", "gb300:8"], "use one of h100, h200, b200, b300"),
         (["--dry-run", "--devices", "h100:3"], "cannot be split over 3"),
         (
             ["--model=tiny-moe", "--torch.expert_parallel=2", "--dry-run", "--devices", "h100:4"],

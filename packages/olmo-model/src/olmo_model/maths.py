@@ -116,11 +116,19 @@ class DevicePeak:
 # bf16 dense peaks (docs/design.md). HBM per device for the planner and the dry runs; for the H100
 # and H200 the total nvidia-smi reports (81559 MiB for the H100 80GB HBM3; 143771 MiB on the H200
 # this project was lent, tools/bench/gpu/results/h200-run1-env.txt: the datasheet's "141 GB" is GiB).
+# B200 and B300: NVIDIA's HGX B200 / HGX B300 datasheets give 36 PFLOPS of FP16/BF16 and 72 of FP8
+# per 8-GPU board, both "with sparsity"; dense is half, 2250 TFLOP/s bf16 (and 4500 fp8, which this
+# table has no column for) per GPU, the bf16 figure OLMo-core 3's report divides by for B300 MFU.
+# Their HBM is nvidia-smi's total: 183359 MiB on a B200 (the datasheet's "180 GB" per GPU, 1.44 TB
+# per board, is this in GiB), 275040 MiB on a "B300 SXM6 AC" (288 GB, the datasheet's per-GPU figure).
+# GB200 / GB300 (Grace superchips, NVL72, 4 GPUs per compute tray) are not B200 / B300 at another
+# count per host: their NVL72 datasheets give 360 PFLOPS sparse bf16 per 72 GPUs, 2.5 PFLOP/s dense
+# each (GB200 also 186 GB of HBM, not 180), so they have no entry here.
 PEAKS: dict[str, DevicePeak] = {
     "h100": DevicePeak("h100", 989e12, hbm_bytes=81559 * 2**20),
     "h200": DevicePeak("h200", 989e12, hbm_bytes=143771 * 2**20),
-    "b200": DevicePeak("b200", 2250e12, hbm_bytes=180e9),
-    "b300": DevicePeak("b300", 2250e12, hbm_bytes=270e9),
+    "b200": DevicePeak("b200", 2250e12, hbm_bytes=183359 * 2**20),
+    "b300": DevicePeak("b300", 2250e12, hbm_bytes=275040 * 2**20),
     "a100": DevicePeak("a100", 312e12, hbm_bytes=80 * 2**30),
     "v5p": DevicePeak("v5p", 459e12, hbm_bytes=95 * 2**30),
     "v6e": DevicePeak("v6e", 918e12, hbm_bytes=32 * 2**30),
@@ -131,8 +139,9 @@ PEAKS: dict[str, DevicePeak] = {
 _ALIASES: list[tuple[str, str]] = [
     (r"h100", "h100"),
     (r"h200", "h200"),
-    (r"b200", "b200"),
-    (r"b300", "b300"),
+    # Not "NVIDIA GB200" / "GB300": those have other peaks (above).
+    (r"(?<!g)b200", "b200"),
+    (r"(?<!g)b300", "b300"),
     (r"a100", "a100"),
     # JAX calls v5p "TPU v5" (and v5e "TPU v5 lite", which has no entry here).
     (r"v5p|v5 ?p|^tpu v5$", "v5p"),

@@ -101,7 +101,7 @@ def topology_devices(kind: str, chips: int) -> tuple[str, list]:
 
 # GPU kinds XLA:GPU compiles for here, each described by gpu_targets/KIND.txtpb, and the GPUs of one
 # host: an HGX board's 8, the node of the Olmo 3 recipes (torchrun, 8 GPUs per node).
-GPU_TARGETS = ("h100", "h200")
+GPU_TARGETS = ("h100", "h200", "b200", "b300")
 GPUS_PER_HOST = 8
 CUDA_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin")
 
