@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from olmo_model import get_preset, param_counts
 from olmo_run.plan import main as plan_main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -194,3 +195,33 @@ def test_without_context_parallelism_stage3_names_the_context_knob(capsys):
     rc, plans = _plans(capsys, STAGE3_7B, "--devices", "v5p:64", "--jax.mesh.context=1")
     assert rc == 1 and not plans[0]["fits"]
     assert "jax.mesh.context=2" in plans[0]["advice"]
+
+
+def test_expert_parallelism_splits_the_experts_state_as_each_trainer_places_it(capsys):
+    """small-moe-64 (4 MoE layers, d 128, 64 experts of hidden 64) on 64 devices with EP 8. By hand:
+    the routed experts are 4 x 64 x 3 x 128 x 64 = 6,291,456 parameters; torch keeps E / 8 of them
+    per rank outside FSDP (dense over all 64 ranks), JAX splits them over expert x fsdp = 8 x 8 and
+    its expert axis carries data, so the data-parallel size stays 64; 16 bytes of state each."""
+    spec = get_preset("small-moe-64")
+    routed = 4 * 64 * 3 * 128 * 64
+    dense = param_counts(spec).total - routed
+    args = ["--model=small-moe-64", "--train.global_batch_tokens=524288"]
+    torch_args = [*args, "--torch.activation_checkpointing=false", "--devices", "h100:64"]
+    rc, (torch_ep,) = _plans(capsys, STAGE1, *torch_args, "--torch.expert_parallel=8")
+    assert rc == 0 and torch_ep["dp_size"] == 64
+    assert torch_ep["memory_state_gib"] * 2**30 == pytest.approx(16 * (dense / 64 + routed / 8), rel=1e-12)
+    # Without expert parallelism the experts are FSDP-sharded like every other weight.
+    rc, (torch_fsdp,) = _plans(capsys, STAGE1, *torch_args)
+    assert torch_fsdp["memory_state_gib"] * 2**30 == pytest.approx(16 * (dense + routed) / 64, rel=1e-12)
+    rc, (jax,) = _plans(
+        capsys,
+        STAGE1,
+        *args,
+        "--jax.mesh.expert=8",
+        "--jax.mesh.fsdp=-1",
+        "--jax.mesh.data=1",
+        "--devices",
+        "v5p:64",
+    )
+    assert rc == 0 and jax["dp_size"] == 64 and jax["shard_group"] == 8
+    assert jax["memory_state_gib"] * 2**30 == pytest.approx(16 * (dense / 8 + routed / 64), rel=1e-12)

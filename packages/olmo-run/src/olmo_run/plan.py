@@ -12,7 +12,10 @@ what changed from the first to each other one.
 Memory model (per device, bytes):
 - state: fp32 master weights (4) + fp32 gradients (4) + AdamW moments (8) per parameter,
   divided over the sharding group (JAX: fsdp x tensor axes, with data = -1 meaning pure FSDP
-  when fsdp is -1; Torch: FSDP over the world, HSDP over world / replicate, DDP: none);
+  when fsdp is -1; Torch: FSDP over the world, HSDP over world / replicate, DDP: none); with
+  expert parallelism the routed experts' state is divided as the trainers place it instead
+  (``_expert_shard``: JAX over expert x fsdp, the expert axis carrying data like ``data``;
+  torch over ``torch.expert_parallel`` only, its experts never FSDP-sharded nor gathered);
 - gathered weights: bf16 copies of two blocks (the one computing and the one prefetched);
 - activations per micro-batch, bf16, counted per tensor a block keeps for backward:
   no remat: x, q/k/v before and after norm/RoPE, attention out, o out, norms, gate, up, silu,
@@ -110,9 +113,9 @@ TPU_KINDS = ("v5p", "v6e", "tpu7x")
 
 def _framework_layout(
     recipe: Recipe, kind: str, devices: int, framework: str | None = None
-) -> tuple[str, int, int, str, int]:
-    """(framework, data-parallel size, state sharding group, remat, context degree) for a device
-    layout; ``framework`` None: JAX on TPU kinds, torch on GPUs."""
+) -> tuple[str, int, int, int, str, int]:
+    """(framework, data-parallel size, state sharding group, the routed experts' sharding group,
+    remat, context degree) for a device layout; ``framework`` None: JAX on TPU kinds, torch on GPUs."""
     framework = framework or ("jax" if kind in TPU_KINDS else "torch")
     if framework not in ("jax", "torch"):
         raise RecipeError(f"framework '{framework}' is unknown; use jax or torch")
@@ -127,11 +130,14 @@ def _framework_layout(
             raise RecipeError(f"jax.mesh {mesh} needs a multiple of {fixed} devices, not {devices}; adjust jax.mesh")
         rest = devices // fixed
         sizes = {a: (rest if s == -1 else s) for a, s in mesh.items()}
-        dp = sizes.get("data", 1) * sizes.get("fsdp", 1)
+        ep = sizes.get("expert", 1)
+        dp = sizes.get("data", 1) * sizes.get("fsdp", 1) * ep  # the expert axis carries data too
         shard = sizes.get("fsdp", 1) * tensor
         if sizes.get("fsdp", 1) == 1 and sizes.get("data", 1) == devices:
             shard = 1  # pure data parallel: every device holds the whole state
-        return "jax", dp, shard, recipe.jax.remat, sizes.get("context", 1)
+        # Routed experts: split over expert and fsdp (no tensor split), the rest over fsdp x tensor.
+        experts = ep * sizes.get("fsdp", 1) if ep > 1 else shard
+        return "jax", dp, shard, experts, recipe.jax.remat, sizes.get("context", 1)
     t = recipe.torch
     remat = "block" if t.activation_checkpointing else "none"
     cp = t.context_parallel
@@ -145,12 +151,12 @@ def _framework_layout(
         shard = devices // t.replicate
     else:
         shard = 1
-    return "torch", devices // cp, shard, remat, cp
+    # Expert parallelism: each rank keeps E / EP experts, outside the FSDP / HSDP / DDP wrapper.
+    experts = t.expert_parallel if t.expert_parallel > 1 else shard
+    return "torch", devices // cp, shard, experts, remat, cp
 
 
-def _torch_head_phase(
-    spec: ModelSpec, n: int, shard: int, accumulation: int, tokens: int
-) -> tuple[float, int, int, int]:
+def _torch_head_phase(spec: ModelSpec, n_local: float, accumulation: int, tokens: int) -> tuple[float, int, int, int]:
     """(state, gathered weights, activations, head + loss) bytes per device inside the torch
     trainer's fused output head, where its dry run (``olmo-train-torch --dry-run``: FSDP2 with
     activation checkpointing) finds the peak: fp32 master weights and AdamW moments, plus the
@@ -158,9 +164,9 @@ def _torch_head_phase(
     twice (the parameter and the all-gather buffer FSDP2 holds until its next all-gather); every
     block's checkpointed input; the head's fp32 gradient with a chunk's bf16 g^T x and its fp32
     copy (d_model x padded vocab each), a chunk of fp32 logits and its two bf16 copies, the
-    head's input and its gradient (bf16)."""
+    head's input and its gradient (bf16). ``n_local``: the parameters this device holds."""
     d, v = spec.d_model, spec.padded_vocab_size
-    state = n * (12 + (4 if accumulation > 1 else 0)) / shard
+    state = n_local * (12 + (4 if accumulation > 1 else 0))
     gathered = 2 * d * v * 2
     acts = tokens * d * 2 * spec.n_layers
     head = d * v * (4 + 2 + 4) + 2 * min(tokens * v * 4, HEAD_CHUNK_BYTES) + 2 * tokens * d * 2
@@ -205,8 +211,7 @@ def jax_flash_attention(recipe: Recipe, spec: ModelSpec) -> bool:
 
 def _jax_step(
     spec: ModelSpec,
-    n: int,
-    shard: int,
+    n_local: float,
     accumulation: int,
     rows: int,
     seq: int,
@@ -220,10 +225,10 @@ def _jax_step(
     gathered bf16 head (12 bytes per d_model x padded vocab), a chunk of fp32 logits and the
     head's input gradient (bf16); the attention scores of ``rows`` rows of ``seq`` tokens (under
     context parallelism, ``cp`` > 1: S / cp tokens per row, the context kernel's block scores;
-    ``flash``: none, cuDNN's fused attention on a GPU)."""
+    ``flash``: none, cuDNN's fused attention on a GPU). ``n_local``: the parameters this device holds."""
     d, v = spec.d_model, spec.padded_vocab_size
     tokens = rows * seq // cp
-    state = n * (16 + (4 if accumulation > 1 else 0)) / shard
+    state = n_local * (16 + (4 if accumulation > 1 else 0))
     head = 12 * d * v + min(tokens * v * 4, HEAD_CHUNK_BYTES) + tokens * d * 2
     if cp > 1:
         attention = _context_terms(spec, rows, seq, cp)[0]
@@ -234,12 +239,21 @@ def _jax_step(
     return state, head, attention
 
 
+def routed_expert_params(spec: ModelSpec) -> int:
+    """The routed experts' parameters (every MoE layer's n_experts SwiGLU MLPs); 0 for a dense spec."""
+    if spec.moe is None:
+        return 0
+    per_layer = spec.moe.n_experts * 3 * spec.d_model * spec.moe.expert_hidden
+    return per_layer * sum(spec.is_moe_layer(i) for i in range(spec.n_layers))
+
+
 def _memory_terms(
     recipe: Recipe,
     spec: ModelSpec,
     device_kind: str,
     framework: str,
     shard: int,
+    expert_shard: int,
     remat: str,
     cp: int,
     layout: BatchLayout,
@@ -249,9 +263,12 @@ def _memory_terms(
     """(state, gathered weights, activations, head + loss, K/V exchange) bytes per device at the
     step's peak, for the trainer ``framework`` with ``tokens_micro`` tokens per device and
     micro-batch (module docstring)."""
-    n = param_counts(spec).total
-    state = n * 16 / shard
-    biggest_block = max((param_counts(spec).total - param_counts(spec).embedding) / spec.n_layers, 1.0)
+    counts, routed = param_counts(spec), routed_expert_params(spec)
+    n_local = (counts.total - routed) / shard + routed / expert_shard
+    state = n_local * 16
+    # torch under expert parallelism gathers a block's dense weights only (its experts stay local).
+    gathered_block = counts.total - counts.embedding - (routed if framework == "torch" and expert_shard != shard else 0)
+    biggest_block = max(gathered_block / spec.n_layers, 1.0)
     gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
     per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes
     acts = tokens_micro * per_layer * spec.n_layers
@@ -263,7 +280,7 @@ def _memory_terms(
         + spec.d_model * spec.padded_vocab_size * 4
     )
     if framework == "torch" and remat == "block" and shard > 1:
-        head_phase = _torch_head_phase(spec, n, shard, layout.accumulation_steps, tokens_micro)
+        head_phase = _torch_head_phase(spec, n_local, layout.accumulation_steps, tokens_micro)
         if sum(head_phase) > state + gathered + acts + logits:
             state, gathered, acts, logits = head_phase
     # The K/V of the whole sequence that one global layer gathers under context parallelism.
@@ -271,7 +288,7 @@ def _memory_terms(
     if framework == "jax":
         flash = device_kind not in TPU_KINDS and jax_flash_attention(recipe, spec)
         state, logits, attention = _jax_step(
-            spec, n, shard, layout.accumulation_steps, layout.per_device_batch, seq, cp, flash
+            spec, n_local, layout.accumulation_steps, layout.per_device_batch, seq, cp, flash
         )
         acts += attention
     return state, gathered, acts, logits, exchange
@@ -300,7 +317,7 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float, framew
     seq = recipe.train.sequence_length
     if seq is None:
         raise RecipeError("olmo-plan needs train.sequence_length in the recipe (the dry run reads no data)")
-    framework, dp, shard, remat, cp = _framework_layout(recipe, peak.kind, devices, framework)
+    framework, dp, shard, expert_shard, remat, cp = _framework_layout(recipe, peak.kind, devices, framework)
     if cp > 1 and seq % (2 * cp):
         raise RecipeError(
             f"context degree {cp} needs train.sequence_length={seq} to split into 2 x {cp} equal chunks; "
@@ -310,7 +327,7 @@ def make_plan(recipe: Recipe, device_kind: str, devices: int, mfu: float, framew
     layout = batch_layout(global_batch, dp, recipe.train.micro_batch_size)
     tokens_micro = layout.per_device_batch * seq // cp
     state, gathered, acts, logits, exchange = _memory_terms(
-        recipe, spec, peak.kind, framework, shard, remat, cp, layout, seq, tokens_micro
+        recipe, spec, peak.kind, framework, shard, expert_shard, remat, cp, layout, seq, tokens_micro
     )
     total = state + gathered + acts + logits + exchange
     hbm = peak.hbm_bytes
