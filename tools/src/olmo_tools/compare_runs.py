@@ -4,7 +4,7 @@
     olmo-compare-runs runs/ours wandb_export.csv --metric loss --column "train/CE loss" --smooth 20
 
 A run is one of:
-- a run dir of either trainer (its metrics.jsonl, train lines);
+- a run dir of either trainer (its metrics.jsonl: train and eval lines);
 - a JSONL file of objects with a step and the metric (e.g. our metrics.jsonl elsewhere);
 - a CSV file with a step column ("step", "_step", "Step", "trainer/global_step") and the metric
   column (``--column`` names it when it is not called like ``--metric``), e.g. a W&B export or a
@@ -13,18 +13,31 @@ A run is one of:
 Differences are taken against the first run at the steps all runs share; ``--smooth N`` applies a
 trailing mean over N points to every curve first (the table says so). With ``--max-diff X`` the
 command exits 1 when any shared step differs by more than X.
+
+The keys of a metrics.jsonl are the tags the TensorBoard and W&B sinks give them
+(``olmo_run.sinks.scalars``): a train key as written (``grad_norm``, or ``train/grad_norm``) and a
+held-out evaluation as ``eval/<source>/<key>`` (``eval/code/loss``), compared at the steps every
+run evaluated. Only numbers compare: flags, labels, lists and non-finite values are left out.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 
+from olmo_run.metrics import TRAIN_KEYS
+from olmo_run.sinks import scalars
+
+# The TRAIN_KEYS that are no curve: the record's kind and step, a flag and labels.
+NOT_CURVES = ("kind", "step", "skipped", "mfu_peak", "memory_kind", "batch_digest")
+EVAL_KEYS = "eval/<held-out source>/loss, eval/<held-out source>/perplexity, eval/<held-out source>/tokens"
 STEP_COLUMNS = ("step", "_step", "trainer/global_step", "global_step", "iteration")
 
 
@@ -52,18 +65,7 @@ def load_curve(source: str, metric: str = "loss", column: str | None = None) -> 
         file = path / "metrics.jsonl" if path.is_dir() else path
         if not file.exists():
             raise CompareError(f"{path}: no metrics.jsonl; is this a run dir of olmo-train-jax/torch?")
-        key = column or metric
-        for n, line in enumerate(file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                raise CompareError(f"{file}:{n}: not JSON") from None
-            if rec.get("kind", "train") != "train" or rec.get("skipped"):
-                continue
-            if key in rec and "step" in rec:
-                points[int(rec["step"])] = float(rec[key])
+        points = _jsonl_points(file, column or metric)
     elif path.suffix == ".csv":
         with path.open(newline="") as f:
             reader = csv.DictReader(f)
@@ -80,6 +82,55 @@ def load_curve(source: str, metric: str = "loss", column: str | None = None) -> 
         raise CompareError(f"{path}: no '{column or metric}' values found")
     steps = np.array(sorted(points), dtype=np.int64)
     return steps, np.array([points[s] for s in steps], dtype=np.float64)
+
+
+def _jsonl_points(file: Path, key: str) -> dict[int, float]:
+    """{step: value} of ``key`` (a train key, bare or ``train/``, or ``eval/<source>/<key>``);
+    a key no record holds is an error listing the keys the file holds."""
+    wanted = (key, f"train/{key}")
+    points: dict[int, float] = {}
+    found: dict[str, None] = {}  # the tags seen, in order
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise CompareError(f"{file}:{n}: not JSON") from None
+        if not isinstance(rec, dict) or "step" not in rec or rec.get("skipped"):
+            continue
+        try:
+            step, values = scalars({"kind": "train", **rec})  # a JSONL of our own has no kind
+        except (AttributeError, KeyError, TypeError, ValueError):
+            raise CompareError(
+                f"{file}:{n}: not a metrics record: the step must be a number, an eval line's 'eval'"
+                " a {source: {key: number}} object"
+            ) from None
+        found.update(dict.fromkeys(values))
+        tag = next((w for w in wanted if w in values), None)
+        if tag is not None:
+            points[step] = values[tag]
+    if not points:
+        names = sorted((t.removeprefix("train/") for t in found), key=lambda t: t.startswith("eval/"))
+        close = difflib.get_close_matches(key, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise CompareError(f"{file}: no '{key}' values; {hint}keys found: {', '.join(names) or 'none'}")
+    return points
+
+
+def keys_help() -> str:
+    """The keys a run dir's metrics.jsonl holds, for ``--help``."""
+    train = ", ".join(k for k in TRAIN_KEYS if k not in NOT_CURVES)
+    return "\n".join(
+        [
+            "keys of a run dir or metrics.jsonl (--metric):",
+            textwrap.fill(f"train: {train}", width=100, initial_indent="  ", subsequent_indent="         "),
+            "         or train/<key> as TensorBoard and W&B tag them; MoE runs add moe_* keys, a trainer its extras",
+            f"  eval:  {EVAL_KEYS}",
+            "         e.g. eval/code/loss, compared at the steps every run evaluated",
+            "An unknown key's error lists the keys the run's file holds.",
+        ]
+    )
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -140,16 +191,28 @@ def plot(names: list[str], curves: list[tuple[np.ndarray, np.ndarray]], out: Pat
     tmp.replace(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="olmo-compare-runs", description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="olmo-compare-runs",
+        description=__doc__.split("\n\n")[0],
+        epilog=keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("runs", nargs="+", help="run dirs, .jsonl or .csv files (the first is the reference)")
-    parser.add_argument("--metric", default="loss", help="metric key (default loss)")
+    parser.add_argument(
+        "--metric", default="loss", help="metric key (default loss): a train key or eval/<source>/<key>, listed below"
+    )
     parser.add_argument("--column", action="append", help="metric column per CSV/JSONL run, in order (optional)")
     parser.add_argument("--steps", help="comma-separated steps for the table (default: 6 spread over the run)")
     parser.add_argument("--smooth", type=int, default=1, help="trailing mean over N points before comparing")
     parser.add_argument("--png", help="write the curves and their differences to this PNG")
     parser.add_argument("--max-diff", type=float, help="exit 1 when any shared step differs by more")
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give at least two runs")
