@@ -51,3 +51,23 @@ def test_the_readme_training_commands_run_one_after_the_other(tmp_path):
         ((step, ckpt),) = complete_checkpoints(run_dir)
         assert step == 2 and json.loads((ckpt / "meta.json").read_text())["framework"] == framework
         assert (run_dir / "loss.png").stat().st_size > 0
+
+
+def test_the_readme_command_table_names_every_command_and_olmo_model_subcommand():
+    """Every console script of the workspace's pyproject files, and each subcommand of
+    ``olmo-model`` (read from its parser), has a row in the README's table of commands."""
+    import argparse
+    import tomllib
+
+    from olmo_model.cli import _parser
+
+    table = README.read_text().split("## What is here")[1].split("\n\n")[1]
+    rows = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `")]
+    root = README.parent
+    for pyproject in [*root.glob("packages/*/pyproject.toml"), root / "tools" / "pyproject.toml"]:
+        for script in tomllib.loads(pyproject.read_text())["project"].get("scripts", {}):
+            assert any(script in row for row in rows), f"{script} ({pyproject}) has no row"
+    [sub] = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert sorted(sub.choices) == ["describe", "presets"]
+    for name in sub.choices:
+        assert any(row.startswith(f"| `olmo-model {name}") for row in rows), name

@@ -435,3 +435,15 @@ def test_a_one_rank_checkpoint_resumes_on_two_and_follows_the_run(reference, mix
         )
     # The comparison means something only if these steps move the loss far more than the bound.
     assert want[10]["loss"] - want[STEPS]["loss"] > 10 * loss_tolerance(want[10]["loss"], STEPS - 10)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_help_names_print_recipe_and_dry_run(framework, capsys):
+    """Each trainer's --help: its own usage, then the shared options (olmo_run.cli.OPTIONS)."""
+    assert cli_main(framework)(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"``olmo-train-{framework}``")
+    assert f"olmo-train-{framework} RECIPE.yaml --print-recipe" in out
+    assert f"olmo-train-{framework} RECIPE.yaml --dry-run --devices" in out
+    assert "\n  --print-recipe    print the resolved recipe" in out
+    assert "\n  --dry-run --devices KIND:COUNT [--json]\n" in out

@@ -286,3 +286,27 @@ def test_clean_orphans_removes_the_temporaries_of_fileio_writes_whose_process_is
     assert capsys.readouterr().out == f"removed {orphan}: temporary file of a write that never finished\n"
     writer.abort()
     assert not (run / temp).exists()
+
+
+def test_a_refused_new_total_prints_both_lrs_so_they_differ():
+    """A linear decay from 3e-3 to 0 over 1000 or 1001 steps gives step 1 3e-3 x 999/1000 =
+    0.002997 and 3e-3 x 1000/1001 = 0.002997003 (by hand): they differ in the 7th significant
+    digit, so four digits printed both as 0.002997. Each must print as itself."""
+    from olmo_run.resume import _maths_changes
+
+    args = [
+        "--model=tiny",
+        "--schedule.kind=linear",
+        "--schedule.warmup_steps=0",
+        "--schedule.alpha=0",
+        "--optim.lr=3e-3",
+    ]
+    old = load_recipe(None, [*args, "--train.steps=1000"])
+    new = load_recipe(None, [*args, "--train.steps=1001"])
+    [(key, a, b, why)] = _maths_changes(old.model_dump(mode="json"), new, new.model_spec(), 64, 5)
+    assert (key, a, b) == ("train.steps", 1000, 1001)
+    shown_new, shown_old = why.split("(step 1: ")[1].rstrip(")").split(" instead of ")
+    assert shown_new != shown_old
+    assert float(shown_new) == pytest.approx(3e-3 * 1000 / 1001, rel=1e-15)
+    assert float(shown_old) == pytest.approx(3e-3 * 999 / 1000, rel=1e-15)
+    assert f"{float(shown_new):.4g}" == f"{float(shown_old):.4g}" == "0.002997"  # what used to print

@@ -242,3 +242,20 @@ def test_help_lists_every_exit_status_the_cli_returns(capsys):
     assert listed == {0, 1, 2, 3, EXIT_PREEMPTED, EXIT_WRITE_FAILED}
     assert run_cli("olmo-train-x", "doc", ["--help"], lambda: lambda recipe: None, ()) == 0
     assert EXIT_STATUSES in capsys.readouterr().out
+
+
+def test_help_lists_print_recipe_and_dry_run_with_the_device_kinds(capsys):
+    """--help names the flags run_cli reads besides the recipe keys, each device kind a dry run
+    takes (olmo_model.PEAKS), and comes before the exit statuses; --print-recipe does what it says."""
+    from olmo_model import PEAKS
+    from olmo_run.cli import run_cli
+
+    assert run_cli("olmo-train-x", "doc", ["--help"], lambda: lambda recipe: None, ()) == 0
+    out = capsys.readouterr().out
+    assert "\n  --print-recipe    print the resolved recipe" in out
+    assert "\n  --dry-run --devices KIND:COUNT [--json]\n" in out
+    assert "KIND: h100, h200, b200, b300, a100, v5p, v6e, tpu7x (olmo_model.PEAKS" in out
+    assert len(PEAKS) == 8
+    assert out.index("Options:") < out.index("Exit statuses:") < out.index("--train.steps")
+    assert run_cli("olmo-train-x", "doc", ["--print-recipe", "--train.steps=7"], lambda: lambda recipe: None, ()) == 0
+    assert "\n  steps: 7\n" in capsys.readouterr().out

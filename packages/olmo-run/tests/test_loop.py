@@ -89,3 +89,39 @@ def test_peak(monkeypatch):
     from olmo_run import loop
 
     monkeypatch.setattr(loop, "device_peak", lambda kind, matmul: (1e12, "test peak"))
+
+
+def test_the_console_train_line_shows_data_wait_and_memory():
+    """Hand-made figures: 2 GiB in use of a 3.3 GiB peak on the device, 12.5 ms of the step
+    waiting for the batch; on CPU the same figures are the host process's resident set."""
+    from olmo_run.callbacks.train_line import console_line
+    from olmo_run.loop import StepMetrics
+
+    m = StepMetrics()
+    figures = dict(loss=2.5, grad_norm=0.75, tokens_per_second=12345.6, mfu=0.4125, data_wait=0.0125)
+    figures.update(memory_gib=2.0, memory_peak_gib=3.3, memory_kind="device", skipped=False)
+    for name, value in figures.items():
+        m.record(name, value)
+    assert console_line(7, 100, 3e-4, m) == (
+        "step 7/100 loss 2.5000 lr 3.000e-04 grad_norm 0.750 12,346 tok/s mfu 41.2% wait 0.01s mem 2.0/3.3 GiB"
+    )
+    m.record("memory_kind", "host_rss")
+    m.record("skipped", True)
+    assert console_line(7, 100, 3e-4, m).endswith(" wait 0.01s rss 2.0/3.3 GiB SKIPPED")
+
+
+def test_every_console_train_line_carries_the_records_data_wait_and_memory(tmp_path, capsys):
+    (tmp_path / "mix").mkdir()
+    mixture = driver_tests.write_mixture(tmp_path / "mix")
+    recipe = driver_tests.recipe_for(mixture, tmp_path / "run", "--train.steps=2", "--log.every=1")
+    setup = resolve_run(read_inputs(recipe), "numpy", loader_ranks=(0, 1), dp_size=2)
+    show_on_terminal()
+    run(setup, lambda: driver_tests.NumpyModule(setup, []), is_main=True, describe=[], title="t")
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(lines) == len(train) == 2
+    for line, r in zip(lines, train):
+        assert r["memory_kind"] == "host_rss"  # the numpy module has no device memory
+        want = f" wait {r['data_wait']:.2f}s rss {r['memory_gib']:.1f}/{r['memory_peak_gib']:.1f} GiB"
+        assert line.endswith(want), line

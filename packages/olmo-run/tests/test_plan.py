@@ -225,3 +225,18 @@ def test_expert_parallelism_splits_the_experts_state_as_each_trainer_places_it(c
     )
     assert rc == 0 and jax["dp_size"] == 64 and jax["shard_group"] == 8
     assert jax["memory_state_gib"] * 2**30 == pytest.approx(16 * (dense / 8 + routed / 64), rel=1e-12)
+
+
+def test_help_lists_every_device_kind_of_the_peak_table(capsys):
+    """--help names the kinds --devices takes (the peak table's keys, read from olmo_model.PEAKS,
+    eight of them: three NVIDIA Hopper / Ampere, two Blackwell, three TPU) and where another goes."""
+    from olmo_model import PEAKS
+
+    with pytest.raises(SystemExit) as done:
+        plan_main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--devices KIND:COUNT" in out
+    assert "KIND is one of h100, h200, b200, b300, a100, v5p, v6e, tpu7x" in out
+    assert len(PEAKS) == 8 and all(kind in out for kind in PEAKS)
+    assert "olmo-plan takes no other peak, so another kind needs its entry added there" in out

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from olmo_data import DataError
-from olmo_model import SpecError, UnknownDeviceError
+from olmo_model import PEAKS, SpecError, UnknownDeviceError
 from olmo_run.errors import RunDirWriteError, TrainingDivergedError, TrainingStateError
 from olmo_run.recipe import Recipe, RecipeError, load_recipe
 from olmo_run.recipe_help import recipe_help
@@ -30,7 +30,17 @@ from .dry_run import DryRunReport, parse_dry_run_args, print_report
 from .preempt import EXIT_PREEMPTED, Preempted
 from .terminal import show_on_terminal
 
-# What ``--help`` says of the exit statuses, after the trainer's own text.
+# What ``--help`` says of the flags besides the recipe keys, after the trainer's own text.
+OPTIONS = """Options:
+  -h, --help        this text: the options, the exit statuses, every recipe key
+  --print-recipe    print the resolved recipe (defaults, RECIPE.yaml, then --key=value) as YAML and exit
+  --dry-run --devices KIND:COUNT [--json]
+                    one step of the recipe set up for COUNT devices of KIND, measured without running
+                    it: the per-device memory beside olmo-plan's estimate; exit 0 when it fits, 1 when
+                    it does not. KIND: {kinds} (olmo_model.PEAKS; each
+                    trainer names the kinds it cannot target)"""
+
+# What ``--help`` says of the exit statuses, after the options.
 EXIT_STATUSES = """Exit statuses:
   0  finished (or already complete)
   2  bad input (recipe, spec, data, checkpoint): one line, nothing written
@@ -66,7 +76,7 @@ def run_cli(
     args = list(sys.argv[1:] if argv is None else argv)
     show_on_terminal()  # olmo_run's log lines: INFO to stdout, warnings and the summary to stderr
     if args and args[0] in ("-h", "--help"):
-        print(f"{doc}\n{EXIT_STATUSES}\n\n{recipe_help()}")
+        print(f"{doc}\n{OPTIONS.format(kinds=', '.join(PEAKS))}\n\n{EXIT_STATUSES}\n\n{recipe_help()}")
         return 0
     try:
         print_recipe = "--print-recipe" in args

@@ -55,7 +55,14 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from olmo_model.maths import HEAD_CHUNK_BYTES, UnknownDeviceError, flops_per_token, param_counts, resolve_device_kind
+from olmo_model.maths import (
+    HEAD_CHUNK_BYTES,
+    PEAKS,
+    UnknownDeviceError,
+    flops_per_token,
+    param_counts,
+    resolve_device_kind,
+)
 from olmo_model.spec import ModelSpec
 
 from .recipe import BatchLayout, Recipe, RecipeError, batch_layout, load_recipe
@@ -393,10 +400,17 @@ def parse_devices(text: str) -> tuple[str, int]:
     return kind, int(count)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="olmo-plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe", help="recipe YAML")
-    parser.add_argument("--devices", action="append", required=True, help="KIND:COUNT (repeatable)")
+    parser.add_argument(
+        "--devices",
+        action="append",
+        required=True,
+        metavar="KIND:COUNT",
+        help=f"repeatable; KIND is one of {', '.join(PEAKS)} (olmo_model.PEAKS: bf16 peak and HBM "
+        "per device); olmo-plan takes no other peak, so another kind needs its entry added there",
+    )
     parser.add_argument("--mfu", type=float, default=0.40, help="MFU assumed for step time (default 0.40)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
     parser.add_argument(
@@ -405,7 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="trainer to plan for (default: JAX on TPUs, torch on GPUs)",
     )
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     try:
         recipe = load_recipe(args.recipe, overrides)
         plans = [make_plan(recipe, *parse_devices(d), args.mfu, args.framework) for d in args.devices]

@@ -90,7 +90,9 @@ def _maths_changes(
     if old_total != new_total:
         # A new total is harmless when the schedule gives every step taken so far the same LR
         # under both (warmup, a constant LR, WSD's stable phase): the run is then exactly what
-        # the new recipe would have produced. Elsewhere it bends the curve mid-run.
+        # the new recipe would have produced. Elsewhere it bends the curve mid-run. Both LRs are
+        # printed as Python's repr (the shortest text that reads back as the same float), so two
+        # LRs that differ anywhere never print alike.
         sched, peak = recipe.schedule, recipe.optim.lr
         first = next(
             (s for s in range(1, step + 1) if sched.lr(s, peak, old_total) != sched.lr(s, peak, new_total)), None
@@ -109,8 +111,8 @@ def _maths_changes(
                     new_total,
                     (
                         f", which changes the LR the {sched.kind} schedule gives the {step} steps already taken "
-                        f"(step {first}: {sched.lr(first, peak, new_total):.4g} instead of "
-                        f"{sched.lr(first, peak, old_total):.4g})"
+                        f"(step {first}: {float(sched.lr(first, peak, new_total))!r} instead of "
+                        f"{float(sched.lr(first, peak, old_total))!r})"
                     ),
                 )
             )

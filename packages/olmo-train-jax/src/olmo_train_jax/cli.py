@@ -2,13 +2,20 @@
 
     uv run --frozen olmo-train-jax [RECIPE.yaml] [--section.key=value ...]
     uv run --frozen olmo-train-jax --train.steps=30 --jax.mesh.fsdp=2 --jax.mesh.data=-1
+    uv run --frozen olmo-train-jax RECIPE.yaml --print-recipe
+
+Check a recipe at its target scale on this machine (the train step compiled ahead of time for
+COUNT devices of KIND, the compiler's per-device memory; exit 1 when it does not fit,
+``olmo_train_jax.dry_run``)::
+
+    uv run --frozen olmo-train-jax RECIPE.yaml --dry-run --devices v5p:512 [--json]
 
 Without a recipe it runs the defaults (model "small", the embedded sample mixture, 100 steps
 of 16 x 512 tokens). A recipe, spec, data or checkpoint problem prints one line to stderr
 and exits with status 2, before anything is written to the run dir. A run that diverges (a
 non-finite loss or state, or too many skipped steps in a row) stops with one line and status
 3, before any checkpoint of the bad state is written.
-The exit statuses, all of them, follow in ``--help`` (``olmo_run.cli.EXIT_STATUSES``).
+The options and the exit statuses, all of them, follow in ``--help`` (``olmo_run.cli``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ One process (CPU, or one GPU)::
 
     uv run --frozen olmo-train-torch [RECIPE.yaml] [--train.steps=200 --optim.lr=6e-4 ...]
     uv run --frozen python -m olmo_train_torch [RECIPE.yaml] [--key=value ...]
+    uv run --frozen olmo-train-torch RECIPE.yaml --print-recipe
 
 Several processes on one machine (one per GPU; on CPU the gloo backend)::
 
@@ -21,7 +22,7 @@ spec, mixture or checkpoint prints one line to stderr (rank 0) and exits with st
 before the run dir is touched. A run that diverges (a non-finite loss or state, or too many
 skipped steps in a row) stops with one line and status 3, before any checkpoint of the bad
 state is written.
-The exit statuses, all of them, follow in ``--help`` (``olmo_run.cli.EXIT_STATUSES``).
+The options and the exit statuses, all of them, follow in ``--help`` (``olmo_run.cli``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from typing import Any
 from olmo_data.digest import combine_digests, loader_rows, rows_digest
 from olmo_model import mfu
 
-from ..loop import Callback, Run, Step
+from ..loop import Callback, Run, Step, StepMetrics
 from ..measure import memory
 from ..metrics import TRAIN_KEYS
 
@@ -28,10 +28,19 @@ class TrainLine(Callback):
         record = {key: m[key] for key in TRAIN_KEYS}
         record.update((k, v) for k, v in m.values.items() if k not in record)  # the module's extras, as recorded
         run.write(record)
-        run.console.line(
-            f"step {step.number}/{run.total_steps} loss {m['loss']:.4f} lr {step.lr:.3e} grad_norm {m['grad_norm']:.3f}"
-            f" {m['tokens_per_second']:,.0f} tok/s mfu {m['mfu']:.1%}" + (" SKIPPED" if m["skipped"] else "")
-        )
+        run.console.line(console_line(step.number, run.total_steps, step.lr, m))
+
+
+def console_line(number: int, total_steps: int, lr: float, m: StepMetrics) -> str:
+    """The train record in one console line: loss, LR, grad norm, throughput and MFU, then the
+    seconds of the step spent waiting for the batch and memory in use / its peak, in GiB
+    ("mem": the device's; "rss": the host process's, on CPU)."""
+    memory_label = "mem" if m["memory_kind"] == "device" else "rss"
+    return (
+        f"step {number}/{total_steps} loss {m['loss']:.4f} lr {lr:.3e} grad_norm {m['grad_norm']:.3f}"
+        f" {m['tokens_per_second']:,.0f} tok/s mfu {m['mfu']:.1%} wait {m['data_wait']:.2f}s"
+        f" {memory_label} {m['memory_gib']:.1f}/{m['memory_peak_gib']:.1f} GiB" + (" SKIPPED" if m["skipped"] else "")
+    )
 
 
 def record_figures(run: Run, step: Step) -> None:
