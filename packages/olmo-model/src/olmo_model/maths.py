@@ -164,7 +164,8 @@ def resolve_device_kind(name: str) -> DevicePeak:
             return PEAKS[key]
     raise UnknownDeviceError(
         f"unknown device kind '{name}': no bf16 peak is known for it; "
-        f"use one of {', '.join(PEAKS)} (or pass an explicit measured peak)"
+        f"use one of {', '.join(PEAKS)}, or add its datasheet peak to olmo_model.PEAKS "
+        "(from Python, mfu() also takes an explicit peak_flops_per_device)"
     )
 
 
