@@ -53,6 +53,9 @@ class OptimSection(_Section):
     decay_embeddings: bool = False  # Olmo 3: no weight decay on the input embedding
     decay_norms: bool = True  # OLMo-core decays norm weights too; set false to exclude them
     grad_clip: float | None = Field(1.0, gt=0)  # global-norm clipping; null disables
+    # fp32 master weights and AdamW moments sharded over data parallel (experts over their
+    # expert-data-parallel group); gradients reduce-scattered, weights all-gathered after the step
+    sharded: bool = False
 
 
 class SpikeGuardSection(_Section):
@@ -116,6 +119,9 @@ class MoESection(_Section):
 
     routing: Literal["learned", "random", "uniform"] = "learned"  # random/uniform: systems benchmarks
     mxfp8: bool = False  # emulated MXFP8 (e4m3 + e8m0 per 32) for the expert GEMMs
+    # Rows an expert-parallel rank takes per expert: ceil(factor x its routed rows / experts);
+    # over-capacity rows are dropped in a fixed order (olmo_model.moe). null: dropless.
+    capacity_factor: float | None = Field(None, gt=0)
 
 
 class WandbSection(_Section):
