@@ -274,7 +274,8 @@ def _memory_terms(
     n_local = (counts.total - routed) / shard + routed / expert_shard
     state = n_local * 16
     # torch under expert parallelism gathers a block's dense weights only (its experts stay local).
-    gathered_block = counts.total - counts.embedding - (routed if framework == "torch" and expert_shard != shard else 0)
+    local_experts = framework == "torch" and recipe.torch.expert_parallel > 1
+    gathered_block = counts.total - counts.embedding - (routed if local_experts else 0)
     biggest_block = max(gathered_block / spec.n_layers, 1.0)
     gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
     per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes
