@@ -15,8 +15,9 @@
   ``post_feedforward_layernorm`` (the MLP sublayer's) to OLMoE's ``post_attention_layernorm``.
 
 ``olmoe_config(spec)`` writes the OlmoeConfig of the same model for the specs OLMoE can
-express (pre-norm, no shared expert, softmax router, every layer MoE, full attention,
-QK-norm over the full width, no YaRN); ``spec_from_olmoe_config`` reads one back.
+express (pre-norm, no shared expert, softmax router with weights summing to 1 at most (no
+``restore_weight_scale``), every layer MoE, full attention, QK-norm over the full width, heads
+of d_model / n_heads, no YaRN); ``spec_from_olmoe_config`` reads one back.
 """
 
 from __future__ import annotations
@@ -55,6 +56,16 @@ def _check_expressible(spec: ModelSpec) -> None:
             "use 'full' (OLMoE normalises q and k over the full width)",
         ),
         (spec.yarn is not None, "yarn", "remove yarn (OLMoE's config here uses default RoPE)"),
+        (
+            moe.restore_weight_scale,
+            "moe.restore_weight_scale (top-k weights summing to top_k)",
+            "set it to false (OLMoE's router weights sum to 1 at most)",
+        ),
+        (
+            spec.q_width != spec.d_model,
+            f"head_dim={spec.head_dim} (n_heads * head_dim = {spec.q_width} != d_model = {spec.d_model})",
+            "use head_dim = d_model / n_heads (OLMoE's q_norm spans hidden_size)",
+        ),
     ]
     for bad, what, fix in problems:
         if bad:

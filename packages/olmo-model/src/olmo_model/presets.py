@@ -1,4 +1,5 @@
-"""Named model sizes as data. Shapes are OLMo-core 3.0.0's olmo3 presets (docs/design.md);
+"""Named model sizes as data. Shapes are OLMo-core 3.0.0's olmo3 presets (docs/design.md) and
+OLMo-core 3's OLMoE3 MoE configurations (olmoe3-*, from its src/examples/olmo_ddp scripts);
 the tiny ones exist for tests (2-4 layers, d_model 64-128, a window shorter than the
 test sequences so both attention kinds are exercised)."""
 
@@ -84,7 +85,116 @@ _TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
-PRESETS: dict[str, dict[str, Any]] = {**_OLMO3, **_TINY}
+
+def _olmoe3(
+    *,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    n_kv_heads: int,
+    n_experts: int,
+    hidden: int,
+    n_dense: int,
+    lb_loss: float,
+    router_z_loss: float = 2e-4,
+) -> dict[str, Any]:
+    """One of OLMo-core 3's OLMoE3 models (src/examples/olmo_ddp/, branch olmo-ddp): top-4 of
+    n_experts SwiGLU experts of width ``hidden`` plus one shared expert of the same width; the
+    first ``n_dense`` blocks dense, OLMo-core's shared-expert-only blocks of hidden
+    top_k * hidden + hidden; head_dim 128 (so n_heads * 128 may differ from d_model); QK-norm
+    per head; RoPE theta 500000 on every layer, no sliding window; softmax router whose top-k
+    weights are renormalised and scaled back by k; init std 0.01; z-loss 1e-4 (the train
+    module's z_loss_multiplier). Vocab 100278 padded to 100352, RMSNorm eps 1e-6 (the defaults)."""
+    top_k = 4
+    return dict(
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=128,
+        mlp_hidden=top_k * hidden + hidden,
+        qk_norm="per_head",
+        sliding_window=None,
+        init_std=0.01,
+        z_loss_weight=1e-4,
+        moe=dict(
+            n_experts=n_experts,
+            top_k=top_k,
+            expert_hidden=hidden,
+            n_shared_experts=1,
+            gating="softmax",
+            normalize_top_k=True,
+            restore_weight_scale=True,
+            load_balancing_loss_weight=lb_loss,
+            router_z_loss_weight=router_z_loss,
+            layers=tuple(range(n_dense, n_layers)),
+        ),
+    )
+
+
+# OLMo-core 3's reference configurations, pinned by its src/test/examples/olmo_ddp_tech_report_test.py
+# (active / total parameters in tests/test_olmoe3_presets.py). Not expressed here: the scripts' blocks
+# are peri-norm (an input RMSNorm before attention and before the MLP besides the two output norms)
+# and the embedding is scaled by sqrt(d_model) and RMS-normalised; these presets are reordered-norm
+# blocks over a plain embedding (the spec has neither option yet), which changes no matmul shape and
+# the parameter count by (2 * n_layers + 1) * d_model norm weights.
+_OLMOE3: dict[str, dict[str, Any]] = {
+    # OLMoE3-dev-t001.py (Tiny-64E). OLMoE3-dev-t002.py is the same model at EP 8 (no separate preset).
+    "olmoe3-t001": _olmoe3(
+        d_model=2048, n_layers=16, n_heads=16, n_kv_heads=4, n_experts=64, hidden=2048, n_dense=1, lb_loss=0.01
+    ),
+    # OLMoE3-dev-s001.py (Small-64E; s001-random.py: the same model with random routing).
+    "olmoe3-s001": _olmoe3(
+        d_model=2560, n_layers=32, n_heads=24, n_kv_heads=6, n_experts=64, hidden=2560, n_dense=1, lb_loss=0.005
+    ),
+    # OLMoE3-dev-m001.py (Medium): 40 layers less the last pipeline stage's one.
+    "olmoe3-m001": _olmoe3(
+        d_model=3072, n_layers=39, n_heads=32, n_kv_heads=8, n_experts=96, hidden=3072, n_dense=2, lb_loss=0.005
+    ),
+    # OLMoE3-dev-m002.py (Medium-128E).
+    "olmoe3-m002": _olmoe3(
+        d_model=3072, n_layers=39, n_heads=32, n_kv_heads=8, n_experts=128, hidden=3072, n_dense=2, lb_loss=0.005
+    ),
+    # OLMoE3-dev-l001.py (Large-128E): 48 layers less one.
+    "olmoe3-l001": _olmoe3(
+        d_model=4096, n_layers=47, n_heads=40, n_kv_heads=10, n_experts=128, hidden=4096, n_dense=2, lb_loss=0.005
+    ),
+    # OLMoE3-dev-u001.py (Ultra-128E; trained in MXFP8 with per-layer recompute): 64 layers less one.
+    "olmoe3-u001": _olmoe3(
+        d_model=6144, n_layers=63, n_heads=64, n_kv_heads=32, n_experts=128, hidden=8192, n_dense=2, lb_loss=0.005
+    ),
+    # OLMoE3-dev-u002.py (Ultra-256E).
+    "olmoe3-u002": _olmoe3(
+        d_model=6144, n_layers=63, n_heads=64, n_kv_heads=32, n_experts=256, hidden=8192, n_dense=2, lb_loss=0.005
+    ),
+    # The expert-pool benchmark, moe_8l_common.py / moe_8l_ddp.py (TECH_REPORT_NUM_EXPERTS 8, 32, 64,
+    # 128): 8 layers, the first dense; its blocks are reordered-norm (use_peri_norm=False there).
+    **{
+        f"olmoe3-bench-e{n}": _olmoe3(
+            d_model=4096,
+            n_layers=8,
+            n_heads=32,
+            n_kv_heads=8,
+            n_experts=n,
+            hidden=4096,
+            n_dense=1,
+            lb_loss=0.015,
+            router_z_loss=1e-4,
+        )
+        for n in (8, 32, 64, 128)
+    },
+}
+
+# olmoe3-t001 at test size for the twins: its features exactly (one dense leading block of hidden
+# top_k * hidden + hidden, GQA 4:1, per-head QK-norm, full attention on every layer, the router's
+# renormalised top-4 weights scaled to sum to 4) at d_model 64 and the tiny vocab.
+_TINY["tiny-olmoe3"] = {
+    **_olmoe3(d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, n_experts=8, hidden=32, n_dense=1, lb_loss=0.01),
+    **{k: v for k, v in _TINY_COMMON.items() if k != "sliding_window"},
+    "head_dim": 16,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {**_OLMO3, **_TINY, **_OLMOE3}
 
 
 class SpecError(ValueError):

@@ -17,7 +17,8 @@ What it computes, block by block (Olmo 3, see docs/design.md):
 - causal GQA attention; a sliding layer's query q sees keys k with q - window < k <= q;
 - SwiGLU down(silu(gate(x)) * up(x)), or an MoE block: router logits x @ gate.T,
   softmax (or sigmoid) scores, top-k (ties to the lower expert index), weights optionally
-  renormalised, plus shared experts on every token.
+  renormalised (and then, with ``restore_weight_scale``, scaled by top_k to sum to k), plus
+  shared experts on every token.
 
 transformers computes RMSNorm, RoPE tables and the OLMoE router softmax in float32 even
 in a float64 model; this module stays in float64 throughout.
@@ -198,6 +199,8 @@ def moe_block(moe: MoESpec, p: Params, prefix: str, x: np.ndarray) -> tuple[np.n
     weights = np.take_along_axis(scores, chosen, axis=-1)
     if moe.normalize_top_k:
         weights = weights / weights.sum(axis=-1, keepdims=True)
+    if moe.restore_weight_scale:
+        weights = weights * moe.top_k
 
     out = np.zeros_like(x)
     for e in range(moe.n_experts):

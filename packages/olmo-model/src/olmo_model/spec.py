@@ -6,7 +6,8 @@ trainer cannot disagree on the model they build:
 - reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h));
   no input norms, a final RMSNorm before the untied output head (``norm_placement="pre"``
   moves the two norms to the sublayer inputs, as OLMoE and Llama place them);
-- QK-norm over the full projected width (Olmo 3) or per head;
+- QK-norm over the full projected width (Olmo 3) or per head; a head width of d_model / n_heads
+  unless ``head_dim`` says otherwise;
 - a per-layer attention kind: "sliding_attention" (window `sliding_window`) or
   "full_attention"; the Olmo 3 default is 3 sliding : 1 global (layer i is
   global when i % 4 == 3);
@@ -53,6 +54,9 @@ class MoESpec(_Frozen):
     shared_expert_hidden: int | None = None  # None: same as expert_hidden
     gating: Literal["softmax", "sigmoid"] = "softmax"  # router score function
     normalize_top_k: bool = False  # renormalise the chosen k weights to sum to 1
+    # Then scale them by top_k, so that they sum to k (OLMo-core 3's MoERouterConfigV2
+    # restore_weight_scale: the routed output keeps the scale of a dense MLP's).
+    restore_weight_scale: bool = False
     load_balancing_loss_weight: float = Field(0.01, ge=0)  # Switch-style aux loss
     router_z_loss_weight: float = Field(0.001, ge=0)  # ST-MoE router z-loss
     # Which layers are MoE; None means every layer.
@@ -62,6 +66,11 @@ class MoESpec(_Frozen):
     def _check(self) -> MoESpec:
         if self.top_k > self.n_experts:
             raise ValueError(f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; set top_k <= n_experts")
+        if self.restore_weight_scale and not self.normalize_top_k:
+            raise ValueError(
+                "moe.restore_weight_scale scales the renormalised top-k weights by top_k; "
+                "set moe.normalize_top_k: true as well, or restore_weight_scale: false"
+            )
         return self
 
     @property
@@ -77,6 +86,9 @@ class ModelSpec(_Frozen):
     n_layers: int = Field(32, gt=0)
     n_heads: int = Field(32, gt=0)
     n_kv_heads: int | None = None  # None: multi-head attention (= n_heads)
+    # Width of one attention head; omitted: d_model // n_heads. OLMo-core 3's MoE configs set
+    # it on its own (q width n_heads * head_dim = 3072 at d_model 2560 in OLMoE3-dev-s001).
+    head_dim: int = Field(0, gt=0)
     mlp_hidden: int = Field(11008, gt=0)  # SwiGLU hidden size
     vocab_size: int = Field(100278, gt=0)  # dolma2 tokenizer
     padded_vocab_size: int = Field(100352, gt=0)  # vocab rounded up to a multiple of 128
@@ -103,6 +115,21 @@ class ModelSpec(_Frozen):
 
     @model_validator(mode="before")
     @classmethod
+    def _fill_head_dim(cls, data):
+        if isinstance(data, dict) and data.get("head_dim") is None:
+            d = data.get("d_model", cls.model_fields["d_model"].default)
+            h = data.get("n_heads", cls.model_fields["n_heads"].default)
+            if isinstance(d, int) and isinstance(h, int) and d > 0 and h > 0:
+                if d % h:
+                    raise ValueError(
+                        f"n_heads={h} does not divide d_model={d}; "
+                        "choose n_heads so that d_model % n_heads == 0, or set head_dim"
+                    )
+                data = {**data, "head_dim": d // h}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _fill_layer_types(cls, data):
         if isinstance(data, dict) and data.get("layer_types") is None:
             n = data.get("n_layers", cls.model_fields["n_layers"].default)
@@ -114,11 +141,6 @@ class ModelSpec(_Frozen):
 
     @model_validator(mode="after")
     def _check(self) -> ModelSpec:
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; "
-                "choose n_heads so that d_model % n_heads == 0"
-            )
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
             raise ValueError(
                 f"n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}; "
@@ -173,10 +195,6 @@ class ModelSpec(_Frozen):
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
     def q_width(self) -> int:
         return self.n_heads * self.head_dim
 
@@ -204,5 +222,8 @@ class ModelSpec(_Frozen):
         data = self.model_dump()
         if "layer_types" not in changes and ("n_layers" in changes or "sliding_window" in changes):
             data["layer_types"] = None
+        derived_head_dim = self.head_dim * self.n_heads == self.d_model
+        if "head_dim" not in changes and derived_head_dim and ("d_model" in changes or "n_heads" in changes):
+            data["head_dim"] = None
         data.update(changes)
         return ModelSpec.model_validate(data)

@@ -5,7 +5,8 @@ Maths (the contract shared with the Torch trainer and ``olmo_model.reference``):
 - router logits ``r = x @ W_router`` in float32; probabilities ``p = softmax(r)`` (or
   ``sigmoid(r)``); each token takes the top-k of ``p`` (``top_k_lowest_index_on_ties`` puts the
   lower expert index first among equal values, as the reference's stable sort does); weights
-  ``w = p[top-k]``, renormalised to sum 1 if ``normalize_top_k``;
+  ``w = p[top-k]``, renormalised to sum 1 if ``normalize_top_k``, then times k (summing to k) if
+  ``restore_weight_scale``;
 - ``out = sum_k w_k SwiGLU_{e_k}(x) + sum_s SwiGLU_shared_s(x)``; the shared experts are
   stored concatenated along their hidden axis, which is the same sum computed as one SwiGLU;
 - dropless: all T*k (token, slot) assignments are computed. They are sorted by expert (a
@@ -131,6 +132,8 @@ def route(
     else:
         check_routing(mode)
         raise AssertionError(mode)  # a mode check_routing accepts but this function does not handle
+    if moe.restore_weight_scale:  # every mode's k weights sum to 1 here; OLMo-core 3 scales them to sum to k
+        weights = weights * k
     return experts.astype(jnp.int32), weights.astype(jnp.float32), probs
 
 

@@ -4,7 +4,8 @@ Maths (the contract shared with the JAX trainer and ``olmo_model.reference``):
 
 - router logits ``r = x @ W_router^T`` in float32; probabilities ``p = softmax(r)`` (or
   ``sigmoid(r)``); each token takes the top-k of ``p`` (ties to the lower expert index,
-  as the reference's stable sort; slots in ascending expert index); weights ``w = p[top-k]``, renormalised to sum 1 if ``normalize_top_k``;
+  as the reference's stable sort; slots in ascending expert index); weights ``w = p[top-k]``, renormalised to sum 1 if ``normalize_top_k``,
+  then times k (summing to k) if ``restore_weight_scale``;
 - ``out = sum_k w_k SwiGLU_{e_k}(x) + sum_s SwiGLU_shared_s(x)``;
 - dropless: every (token, slot) assignment is computed. The assignments are sorted by
   expert (a stable argsort, so the order inside a group is the token order), the group
@@ -272,6 +273,8 @@ def route(
     else:
         check_routing(mode)
         raise AssertionError(mode)  # a mode check_routing accepts but this function does not handle
+    if moe.restore_weight_scale:  # every mode's k weights sum to 1 here; OLMo-core 3 scales them to sum to k
+        weights = weights * k
     return Routing(experts, weights), probs
 
 
