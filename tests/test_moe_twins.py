@@ -19,8 +19,8 @@ from olmo_train_jax import model_from_hf
 from olmo_train_jax.grouped_gemm import ExpertWeights
 from olmo_train_jax.grouped_gemm import mxfp8_quantize as jax_mxfp8_quantize
 from olmo_train_jax.moe import moe_block
+from olmo_train_torch.grouped_gemm import mxfp8_quantize as torch_mxfp8_quantize
 from olmo_train_torch.moe import MoE as TorchMoE
-from olmo_train_torch.moe import mxfp8_quantize as torch_mxfp8_quantize
 
 VARIANT = get_preset("tiny-moe-sigmoid")  # sigmoid router, renormalised top-k, two shared experts
 

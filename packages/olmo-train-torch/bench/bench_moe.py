@@ -39,7 +39,8 @@ from rich.table import Table
 
 from olmo_model import MoESpec
 from olmo_train_torch.expert_parallel import apply_expert_parallel, reduce_gradients, sum_gradients
-from olmo_train_torch.moe import MoE, configure_moe, grouped_matmul, routing_stats
+from olmo_train_torch.grouped_gemm import grouped_matmul
+from olmo_train_torch.moe import MoE, configure_moe, routing_stats
 
 D_MODEL, HIDDEN, TOP_K = 128, 64, 4
 EP = 4

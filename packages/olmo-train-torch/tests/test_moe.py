@@ -16,14 +16,13 @@ import torch.nn.functional as F
 from olmo_model import MoESpec, SpecError, get_preset, param_counts, reference
 from olmo_model.hf_moe import block_tensors_from_olmoe, olmoe_block_tensors, olmoe_config, spec_from_olmoe_config
 from olmo_model.moe import rank_load_max_over_mean
+from olmo_train_torch.grouped_gemm import grouped_matmul, mxfp8_quantize
 from olmo_train_torch.hf_adapter import CheckpointMismatchError, initial_model, load_hf, model_from_hf, to_hf
 from olmo_train_torch.moe import (
     MoE,
     aux_loss,
     configure_moe,
-    grouped_matmul,
     moe_metrics,
-    mxfp8_quantize,
     route,
     routing_stats,
     top_k_lowest_index_on_ties,

@@ -29,8 +29,9 @@ from olmo_model import fp32_mean_tolerance, layout_loss_tolerance
 from olmo_run.checkpoints import complete_checkpoints
 from olmo_run.recipe import RecipeError, batch_layout, load_recipe
 from olmo_run.spike_guard import SpikeGuard
+from olmo_train_torch.grouped_gemm import GroupedExperts
 from olmo_train_torch.hf_adapter import initial_model
-from olmo_train_torch.moe import GroupedExperts, MoE
+from olmo_train_torch.moe import MoE
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh, check_parallel
 from olmo_train_torch.step import make_optimizer, prepare_model, train_step
 

@@ -17,6 +17,14 @@ One MoE forward on a rank:
 5. the inverse permutation and a second ``all_to_all_single`` (combine) return every
    row to its source, in the order it was sent; the block weights and sums them.
 
+With a capacity factor (``moe.capacity_factor``; ``capacity``) the block hands the dispatcher
+a static buffer of E x B x C rows instead (``ExpertParallelDispatcher.exchange``): one
+``all_to_all_single`` of equal splits sends rank r the rows of its E/ep experts, which it
+regroups by expert with a transpose (every (source, expert) block has B x C rows), runs as
+batched matmuls, and sends back with a second equal exchange. No split sizes, no counts, no
+host read: every shape follows from (B, S, k, E, C, ep), so the path also runs under a fake
+process group, whose all-to-all outputs are garbage.
+
 Both all-to-alls are autograd functions whose backward is the opposite all-to-all, so
 expert gradients collect the contributions of every rank's tokens. gloo (CPU) supports
 ``all_to_all_single`` with uneven splits in torch 2.15 (checked), NCCL does on GPU.
@@ -51,29 +59,35 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .moe import GroupedExperts, moe_modules
+from .grouped_gemm import GroupedExperts
+from .moe import moe_modules
+
+
+def _rows(x: torch.Tensor, splits: list[int] | None) -> int:
+    return x.shape[0] if splits is None else sum(splits)
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows with uneven splits; backward is the reverse exchange."""
+    """``all_to_all_single`` of rows (uneven splits, or equal ones for None); backward is the
+    reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        out = x.new_empty((_rows(x, out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
+        back = grad.new_empty((_rows(grad, ctx.in_splits), *grad.shape[1:]))
         dist.all_to_all_single(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return back, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group) -> torch.Tensor:
     """Send ``in_splits[r]`` consecutive rows of ``x`` to rank r, receive ``out_splits[r]``
-    rows from rank r (differentiable)."""
+    rows from rank r (differentiable); None for both: equal splits of x's rows, no host list."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
@@ -81,7 +95,7 @@ class ExpertParallelDispatcher:
     """Moves sorted rows to the ranks owning their experts and back (see module doc).
 
     ``last_received`` is the number of rows this rank's experts computed in the latest
-    forward (the real per-rank load, for metrics and tests)."""
+    dropless forward (the real per-rank load, for metrics and tests)."""
 
     def __init__(self, group, n_experts: int):
         self.group = group
@@ -115,6 +129,16 @@ class ExpertParallelDispatcher:
         ys_local = experts(received[perm], by_source.sum(0))
         ys = torch.empty_like(ys_local).index_copy(0, perm, ys_local)
         return all_to_all_rows(ys, send_splits, recv_splits, self.group)
+
+    def exchange(self, buffer: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        """The capacity buffer [E x B x C, d] (expert-major, ``capacity``) -> its expert outputs,
+        same layout: equal exchanges both ways, no split sizes (module doc)."""
+        ep, local, d = self.ep, self.local_experts, buffer.shape[-1]
+        received = all_to_all_rows(buffer, None, None, self.group)  # [source, local expert, B x C]
+        by_expert = received.view(ep, local, -1, d).transpose(0, 1).reshape(local, -1, d)
+        out = experts.forward_batched(by_expert)
+        by_source = out.view(local, ep, -1, d).transpose(0, 1).reshape(-1, d)
+        return all_to_all_rows(by_source, None, None, self.group)
 
 
 def expert_mesh(device_type: str, world_size: int, ep: int) -> DeviceMesh:

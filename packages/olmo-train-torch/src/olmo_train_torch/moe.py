@@ -11,12 +11,17 @@ Maths (the contract shared with the JAX trainer and ``olmo_model.reference``):
   expert (a stable argsort, so the order inside a group is the token order), the group
   sizes are counted with ``scatter_add`` (no host sync, unlike ``bincount`` on CUDA) and
   each of the three SwiGLU matmuls is ONE grouped GEMM over the variable-size groups;
-  the outputs go back to (token, slot) order and are summed over the k slots.
+  the outputs go back to (token, slot) order and are summed over the k slots;
+- with a capacity factor (``configure_moe``; ``olmo_model.moe``'s rule, per (sequence,
+  expert)): the kept assignments fill a static buffer of E x B x C rows, run as batched
+  matmuls (or through the dispatcher's equal all-to-alls), and a dropped one adds nothing
+  (``capacity``); ``RoutingSums.dropped`` counts them.
 
 Host syncs on GPU: none on the local path with ``grouped_mm`` (shapes are static: T*k
-rows; group ends stay on the device). They remain in the ``loop`` backend (group sizes),
-in expert parallelism (all-to-all split sizes, ``expert_parallel``) and where metrics are
-read (``moe_metrics``, once per logged step).
+rows; group ends stay on the device), none with a capacity factor, local or expert
+parallel. They remain in the ``loop`` backend (group sizes), in dropless expert
+parallelism (all-to-all split sizes, ``expert_parallel``) and where metrics are read
+(``moe_metrics``, once per logged step).
 
 Routing modes (a runtime knob, never in the spec; ``configure_moe``):
 ``learned`` (above); ``random``: the scores are i.i.d. uniform numbers, weights are the
@@ -30,27 +35,7 @@ ranks' micro-batches concatenated in rank order; this rank's first token is numb
 generator seeded by (seed, step, micro-step, layer) only, each rank keeping its own rows
 (every rank draws ``dp_size * T * E`` numbers: cheap next to the expert GEMMs).
 
-Grouped GEMM backends (``gemm``):
-
-- ``grouped_mm``: ``torch._grouped_mm(x [N,in], w [E,in,out], offs)``, group ends as an
-  int32 device tensor, so the expert computation needs no host sync. In torch 2.15 it
-  runs on CPU (float32/bfloat16) and on CUDA (the fast CUTLASS kernel on sm90+);
-  it needs 16-byte aligned rows (in/out widths a multiple of 4 in fp32, 8 in bf16) and
-  no float64;
-- ``loop``: the correct fallback everywhere else: one ``matmul`` per expert over its
-  contiguous slice of the sorted tokens (the group sizes come to the host once per
-  layer, which is a sync on GPU);
-- ``auto``: ``grouped_mm`` when dtype and alignment allow, else ``loop``.
-
-MXFP8 (``mxfp8=True``): an emulation of OCP MX FP8 for the expert GEMMs. Both operands
-of each routed-expert matmul are quantised to e4m3 with one power-of-two (e8m0) scale
-per 32 contiguous elements along the reduction axis, dequantised, and multiplied in
-the working dtype. Gradients pass straight through to the unquantised tensors (the
-backward GEMMs are not quantised here). The fast path (not available on this machine)
-is the block-scaled tcgen05 MMA of B200/B300: ``torch._scaled_mm`` /
-``torch._scaled_grouped_mm`` with ``float8_e4m3fn`` operands and ``float8_e8m0fnu``
-scales in the swizzled block layout (torchao's ``MXLinear`` / MoE training prototype
-builds those); Hopper (H100/H200) has FP8 tensor cores but no MX block scaling.
+The routed experts' grouped GEMMs (backends, MXFP8 emulation): ``grouped_gemm``.
 
 Aux losses need the whole global micro-batch (every data-parallel rank), so the block
 only returns this rank's ``RoutingSums``; ``routing_stats`` reduces them (one
@@ -60,131 +45,19 @@ all-reduce of 2E+3 numbers per layer) outside the model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from olmo_model import MoESpec
-from olmo_model.moe import E4M3_MAX, MX_BLOCK, RoutingMode, check_routing, moe_train_metrics
+from olmo_model.moe import RoutingMode, check_routing, expert_capacity, moe_train_metrics
 from olmo_model.moe import aux_loss as weighted_aux_loss
 
-GemmBackend = Literal["auto", "grouped_mm", "loop"]
-GEMM_BACKENDS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
-
-
-# ---- MXFP8 emulation ------------------------------------------------------------------
-
-
-def mxfp8_quantize(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """``t`` rounded through MXFP8 and back: blocks of 32 along ``dim`` share a scale
-    2^ceil(log2(amax / 448)), values are cast to e4m3 and multiplied back by the scale.
-
-    Rounding the scale exponent up (torchao's "ceil" mode) keeps every scaled value within
-    e4m3's range, so nothing saturates: each element's error is at most 2^-4 of itself
-    (3 mantissa bits, round to nearest) or, in e4m3's subnormal range, 2^-10 of the scale.
-    Returns the working dtype; a trailing partial block is padded with zeros."""
-    dim = dim % t.dim()
-    moved = t.movedim(dim, -1)
-    n = moved.shape[-1]
-    pad = (-n) % MX_BLOCK
-    x = F.pad(moved.float(), (0, pad)) if pad else moved.float()
-    blocks = x.reshape(*x.shape[:-1], -1, MX_BLOCK)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    exponent = torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX))
-    # e8m0 encodes exponents in [-127, 127]; the float8 cast keeps the scale honest.
-    scale = torch.exp2(exponent.clamp(-127, 127)).to(torch.float8_e8m0fnu).float()
-    q = (blocks / scale).to(torch.float8_e4m3fn)
-    out = (q.float() * scale).reshape(x.shape)[..., :n]
-    return out.movedim(-1, dim).to(t.dtype)
-
-
-def _straight_through(t: torch.Tensor, quantized: torch.Tensor) -> torch.Tensor:
-    # Forward value: the quantised tensor; gradient: identity to the original.
-    return t + (quantized - t).detach()
-
-
-# ---- grouped GEMM ---------------------------------------------------------------------
-
-
-def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
-    if x.dtype not in (torch.float32, torch.bfloat16) or w.dtype != x.dtype:
-        return False
-    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
-        return False
-    item = x.element_size()
-    return (x.shape[-1] * item) % 16 == 0 and (w.shape[-1] * item) % 16 == 0
-
-
-def grouped_matmul(
-    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: GemmBackend = "auto"
-) -> torch.Tensor:
-    """Rows of ``x`` [N, in], sorted into consecutive groups of ``group_sizes`` [G] rows,
-    each times its own ``w[g]`` [in, out] -> [N, out]."""
-    if backend == "grouped_mm" or (backend == "auto" and _grouped_mm_ok(x, w)):
-        ends = torch.cumsum(group_sizes, 0).to(torch.int32)
-        return torch._grouped_mm(x, w, offs=ends)
-    outs = []
-    start = 0
-    for g, size in enumerate(group_sizes.tolist()):
-        outs.append(x[start : start + size] @ w[g])
-        start += size
-    return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
-
-
-class GroupedExperts(nn.Module):
-    """``n`` SwiGLU experts stored as stacked weights, the layout a grouped GEMM reads:
-    ``gate_proj``/``up_proj`` [n, hidden, d] and ``down_proj`` [n, d, hidden], each
-    expert's slice laid out as an ``nn.Linear`` weight (out, in), as the HF names are.
-    Expert parallelism keeps a contiguous slice of experts on each rank."""
-
-    def __init__(self, n_experts: int, d_model: int, hidden: int):
-        super().__init__()
-        # Under expert parallelism on a DeviceMesh these become DTensors sharded on dim 0
-        # (so that checkpoints hold every shard); the GEMMs read the local shard.
-        self.gate_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, hidden, d_model))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
-        self.gemm: GemmBackend = "auto"
-        self.mxfp8 = False
-
-    @property
-    def n_experts(self) -> int:
-        """Experts held here (this rank's shard under expert parallelism)."""
-        return _local(self.gate_proj).shape[0]
-
-    def forward(self, xs: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """``xs`` [N, d] sorted by expert, ``group_sizes`` [n] -> SwiGLU outputs [N, d]."""
-        gate, up, down = (_local(p) for p in (self.gate_proj, self.up_proj, self.down_proj))
-        device = xs.device.type
-        if torch.is_autocast_enabled(device):
-            # torch._grouped_mm is not on autocast's list: cast as F.linear would be cast.
-            dtype = torch.get_autocast_dtype(device)
-            xs, gate, up, down = (t.to(dtype) for t in (xs, gate, up, down))
-        elif gate.dtype != xs.dtype:
-            # Expert weights left out of FSDP2's mixed precision (expert parallel) stay in
-            # fp32 while the activations arrive in its param dtype: compute in the latter.
-            gate, up, down = (t.to(xs.dtype) for t in (gate, up, down))
-        if self.mxfp8:
-            # Each matmul reduces over the last axis of both operands: d for gate/up, hidden for down.
-            gate = _straight_through(gate, mxfp8_quantize(gate, -1))
-            up = _straight_through(up, mxfp8_quantize(up, -1))
-            down = _straight_through(down, mxfp8_quantize(down, -1))
-            xs = _straight_through(xs, mxfp8_quantize(xs, -1))
-        g = grouped_matmul(xs, gate.transpose(1, 2), group_sizes, self.gemm)
-        u = grouped_matmul(xs, up.transpose(1, 2), group_sizes, self.gemm)
-        h = F.silu(g) * u
-        if self.mxfp8:
-            h = _straight_through(h, mxfp8_quantize(h, -1))
-        return grouped_matmul(h, down.transpose(1, 2), group_sizes, self.gemm)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (differentiable), or the tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+from .capacity import capacity_slots, routed_with_capacity
+from .grouped_gemm import GEMM_BACKENDS, GemmBackend, GroupedExperts
 
 
 class SwiGLU(nn.Module):
@@ -212,7 +85,7 @@ class RoutingSums(NamedTuple):
     z_sum: torch.Tensor  # [] float32: sum over tokens of logsumexp(logits)^2 (has grad)
     n_tokens: int  # tokens of this rank
     top_k: int
-    dropped: int  # assignments without an expert output (rows in minus rows back): 0 when dropless
+    dropped: torch.Tensor  # [] int64: assignments the capacity rule dropped (0 when dropless)
 
 
 @dataclass
@@ -289,10 +162,14 @@ def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
 
 
 class Dispatcher(Protocol):
-    """What runs the routed experts on rows held elsewhere (``expert_parallel``'s dispatcher):
-    ``xs`` [N, d] sorted by global expert and ``sizes`` [E] -> expert outputs [N, d], same order."""
+    """What runs the routed experts on rows held elsewhere (``expert_parallel``'s dispatcher).
+    Dropless: ``xs`` [N, d] sorted by global expert and ``sizes`` [E] -> expert outputs [N, d],
+    same order. With a capacity factor, ``exchange``: the dispatch buffer [E x B x C, d]
+    (``capacity``'s expert-major layout) -> its expert outputs, same layout."""
 
     def __call__(self, xs: torch.Tensor, sizes: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
+
+    def exchange(self, buffer: torch.Tensor, experts: GroupedExperts) -> torch.Tensor: ...
 
 
 class MoE(nn.Module):
@@ -319,6 +196,8 @@ class MoE(nn.Module):
         self.dp_rank = 0
         self.dp_size = 1
         self.dispatcher: Dispatcher | None = None
+        # The recipe's moe.capacity_factor (configure_moe); None: dropless.
+        self.capacity_factor: float | None = None
 
     def _generator(self, device: torch.device) -> torch.Generator:
         # One stream per (seed, step, micro-step, layer), the same on every rank:
@@ -346,18 +225,18 @@ class MoE(nn.Module):
         routing, probs = route(
             logits, self.spec, self.routing, generator, first_token=self.dp_rank * n, global_tokens=self.dp_size * n
         )
-        order, sizes = sort_by_expert(routing.experts, self.spec.n_experts)
         # Gather through a permutation of the k copies of each token (not tokens[order // k]):
         # the backward then scatters to distinct rows and sums the k copies, no atomics.
         per_slot_in = tokens.unsqueeze(1).expand(-1, self.spec.top_k, -1).reshape(-1, shape[-1])
-        xs = per_slot_in[order]
-        if self.dispatcher is None:
-            ys = self.experts(xs, sizes)
+        sequence = shape[-2] if len(shape) > 2 else n  # [T, d]: one sequence
+        if self.capacity_factor is None:
+            ys, sizes, dropped = self._dropless(per_slot_in, routing.experts)
         else:
-            ys = self.dispatcher(xs, sizes, self.experts)
+            experts = routing.experts.reshape(-1, sequence, self.spec.top_k)
+            ys, sizes, dropped = self._with_capacity(per_slot_in, experts, self.capacity_factor)
         # Back to (token, slot) order, then a sum over the k slots: deterministic, unlike an
         # index_add of the sorted rows (atomics on GPU), so resumed runs repeat bitwise.
-        per_slot = torch.empty_like(ys).index_copy(0, order, ys).reshape(*routing.experts.shape, -1)
+        per_slot = ys.reshape(*routing.experts.shape, -1)
         out = (per_slot * routing.weights.to(ys.dtype).unsqueeze(-1)).sum(1)
         for shared in self.shared_experts:
             out = out + shared(tokens)
@@ -368,9 +247,40 @@ class MoE(nn.Module):
             z_sum=(lse * lse).sum(),
             n_tokens=tokens.shape[0],
             top_k=self.spec.top_k,
-            dropped=routing.experts.numel() - ys.shape[0],
+            dropped=dropped,
         )
         return out.reshape(shape), stats
+
+    def _dropless(self, per_slot_in: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(expert output per assignment [T*k, d], tokens per expert, dropped: 0): every
+        assignment sorted by expert through one grouped GEMM (or the dispatcher)."""
+        order, sizes = sort_by_expert(experts, self.spec.n_experts)
+        xs = per_slot_in[order]
+        ys = self.experts(xs, sizes) if self.dispatcher is None else self.dispatcher(xs, sizes, self.experts)
+        dropped = torch.zeros((), dtype=torch.long, device=ys.device)
+        return torch.empty_like(ys).index_copy(0, order, ys), sizes, dropped
+
+    def _with_capacity(
+        self, per_slot_in: torch.Tensor, experts: torch.Tensor, factor: float
+    ) -> tuple[torch.Tensor, ...]:
+        """(expert output per assignment [T*k, d], zero where dropped; tokens per expert;
+        dropped count) under capacity ``factor`` for ``experts`` [B, S, k] (``capacity``)."""
+        spec, dispatcher = self.spec, self.dispatcher
+        c = expert_capacity(factor, experts.shape[1], spec.top_k, spec.n_experts)
+        slots = capacity_slots(experts, spec.n_experts, c)
+        if dispatcher is None:
+            n, d = spec.n_experts, per_slot_in.shape[-1]
+
+            def run(buffer: torch.Tensor) -> torch.Tensor:
+                return self.experts.forward_batched(buffer.view(n, -1, d)).reshape(-1, d)
+
+        else:
+
+            def run(buffer: torch.Tensor) -> torch.Tensor:
+                return dispatcher.exchange(buffer, self.experts)
+
+        ys = routed_with_capacity(per_slot_in, slots, run)
+        return ys, slots.tokens_per_expert, (~slots.keep).sum()
 
 
 # ---- aux losses and metrics -------------------------------------------------------------
@@ -419,7 +329,11 @@ def routing_stats(stats: list[RoutingSums], group=None) -> RoutingStats:
                 s.tokens_per_expert.float(),
                 s.prob_sum.float(),
                 torch.stack(
-                    [s.z_sum.float(), s.z_sum.new_tensor(float(s.n_tokens)), s.z_sum.new_tensor(float(s.dropped))]
+                    [
+                        s.z_sum.float(),
+                        s.z_sum.new_tensor(float(s.n_tokens)),
+                        s.dropped.to(s.z_sum.device, torch.float32),
+                    ]
                 ),
             ]
         )
@@ -479,10 +393,11 @@ def configure_moe(
     dp_size: int = 1,
     gemm: GemmBackend = "auto",
     mxfp8: bool = False,
+    capacity_factor: float | None = None,
 ) -> None:
     """Set the runtime knobs (not part of the spec) on every MoE block of ``model``: the
     routing mode and its seed, this rank's place among ``dp_size`` data-parallel ranks, the
-    GEMM backend and MXFP8. Call it before wrapping the model (DDP/FSDP2): random and
+    GEMM backend, MXFP8 and the capacity factor (``olmo_model.moe``'s rule; None: dropless). Call it before wrapping the model (DDP/FSDP2): random and
     uniform routing freeze the router (``requires_grad=False``; it gets no gradient), which
     DDP must know when it is built."""
     check_routing(routing)
@@ -490,7 +405,10 @@ def configure_moe(
         raise ValueError(f"gemm='{gemm}' is unknown; use one of {', '.join(GEMM_BACKENDS)}")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank={dp_rank} is outside the {dp_size} data-parallel ranks; pass 0 <= dp_rank < dp_size")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"moe.capacity_factor={capacity_factor} must be > 0; use null for dropless")
     for m in moe_modules(model):
+        m.capacity_factor = capacity_factor
         m.routing, m.routing_seed, m.dp_rank, m.dp_size = routing, seed, dp_rank, dp_size
         m.router.weight.requires_grad_(routing == "learned")
         m.experts.gemm, m.experts.mxfp8 = gemm, mxfp8

@@ -315,6 +315,7 @@ def prepare_model(
             dp_rank=d.rank,
             dp_size=d.world_size,
             mxfp8=recipe.moe.mxfp8,
+            capacity_factor=recipe.moe.capacity_factor,
         )
     return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts, materialize=materialize)
 
