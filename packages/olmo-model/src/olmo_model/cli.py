@@ -4,10 +4,12 @@
     uv run --frozen olmo-model describe my_spec.yaml --seq-len 65536 --json
     uv run --frozen olmo-model presets
 
-`describe` prints the resolved spec, parameter counts (total, non-embedding, active),
+`describe` prints the resolved spec, parameter counts (total, non-embedding, active; the total
+and active also as the reports write them, 12.91B, 1.200T),
 training FLOPs per token at the sequence length (sliding-window exact), and the memory of
 weights, gradients and AdamW state. A bad preset or spec file is one line on stderr and
-exit status 2.
+exit status 2. `presets` lists every preset's sizes, its experts (top-k, shared), how many
+dense layers lead its MoE layers, and its active / total parameters.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from .maths import describe
+from .maths import describe, param_counts
 from .presets import PRESETS, SpecError, get_preset, load_spec
+from .spec import ModelSpec
 
 DEFAULT_SEQ_LEN = 8192  # Olmo 3 stage 1 sequence length
 
@@ -49,9 +52,9 @@ def _print_description(info: dict, console: Console) -> None:
     console.print(spec_table)
 
     numbers = Table(title=f"maths at seq_len {info['seq_len']}", show_header=False)
-    numbers.add_row("params total", f"{info['params_total']:,}")
+    numbers.add_row("params total", f"{info['params_total']:,} ({_short(info['params_total'])})")
     numbers.add_row("params non-embedding", f"{info['params_non_embedding']:,}")
-    numbers.add_row("params active per token", f"{info['params_active']:,}")
+    numbers.add_row("params active per token", f"{info['params_active']:,} ({_short(info['params_active'])})")
     numbers.add_row("params embedding + head", f"{info['params_embedding']:,}")
     numbers.add_row("training FLOPs per token", f"{info['flops_per_token']:.4e}")
     numbers.add_row("  of which attention", f"{info['attention_flops_per_token']:.4e}")
@@ -68,26 +71,45 @@ def _print_description(info: dict, console: Console) -> None:
     console.print(memory)
 
 
+def _short(n: float) -> str:
+    """A parameter count as the reports write it: 1.59B, 12.91B, 1.200T."""
+    return f"{n / 1e12:.3f}T" if n >= 1e12 else f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def _moe_columns(spec: ModelSpec) -> tuple[str, str]:
+    """(routed experts x top-k + shared experts, dense layers before the first MoE layer) of a
+    spec, '64x4+1' and '1'; '-' for a dense spec."""
+    moe = spec.moe
+    if moe is None:
+        return "-", "-"
+    first_moe = next(i for i in range(spec.n_layers) if spec.is_moe_layer(i))
+    return f"{moe.n_experts}x{moe.top_k}+{moe.n_shared_experts}", str(first_moe)
+
+
+def _presets_table() -> Table:
+    table = Table(title="presets (heads: query/kv; experts: routed x top-k + shared)")
+    table.add_column("name", no_wrap=True)
+    headers = ("d_model", "layers", "heads", "head dim", "MLP hidden", "experts", "dense leading", "active/total")
+    for column in headers:
+        table.add_column(column, justify="right", no_wrap=True)
+    for name in PRESETS:
+        spec = get_preset(name)
+        counts = param_counts(spec)
+        sizes = (spec.d_model, spec.n_layers, f"{spec.n_heads}/{spec.kv_heads}", spec.head_dim, spec.mlp_hidden)
+        table.add_row(
+            name, *(str(v) for v in sizes), *_moe_columns(spec), f"{_short(counts.active)}/{_short(counts.total)}"
+        )
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     if args.command == "presets":
-        table = Table(title="presets")
-        for column in ("name", "d_model", "layers", "heads", "kv heads", "MLP hidden", "MoE"):
-            table.add_column(column)
-        for name in PRESETS:
-            spec = get_preset(name)
-            moe = f"{spec.moe.n_experts}e top-{spec.moe.top_k}" if spec.moe else "-"
-            table.add_row(
-                name,
-                str(spec.d_model),
-                str(spec.n_layers),
-                str(spec.n_heads),
-                str(spec.kv_heads),
-                str(spec.mlp_hidden),
-                moe,
-            )
-        console.print(table)
+        table = _presets_table()
+        # As wide as the table needs (a pipe's 80 columns would cut the names and counts).
+        wanted = Console(width=1000).measure(table).maximum
+        Console(width=max(console.width, wanted)).print(table)
         return 0
 
     if args.seq_len <= 0:

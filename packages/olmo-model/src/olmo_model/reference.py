@@ -181,14 +181,9 @@ def _logsumexp(x: np.ndarray) -> np.ndarray:
     return (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))[..., 0]
 
 
-def moe_block(moe: MoESpec, p: Params, prefix: str, x: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """One MoE feed-forward block on tokens x [T, d] -> (output [T, d], load-balancing loss,
-    router z-loss) of this layer.
-
-    Load balancing is the Switch/OLMoE form n_experts * sum_e f_e * P_e with f_e the share
-    of the T * top_k (token, slot) assignments that went to e and P_e the mean router
-    score of e; the z-loss is mean(logsumexp(router logits)^2)."""
-    logits = x @ p[prefix + "gate.weight"].T
+def route(moe: MoESpec, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Learned routing of router logits [T, E] -> (chosen experts [T, k], best first, their
+    weights [T, k], router scores [T, E])."""
     if moe.gating == "softmax":
         scores = np.exp(logits - logits.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)
@@ -201,6 +196,18 @@ def moe_block(moe: MoESpec, p: Params, prefix: str, x: np.ndarray) -> tuple[np.n
         weights = weights / weights.sum(axis=-1, keepdims=True)
     if moe.restore_weight_scale:
         weights = weights * moe.top_k
+    return chosen, weights, scores
+
+
+def moe_block(moe: MoESpec, p: Params, prefix: str, x: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """One MoE feed-forward block on tokens x [T, d] -> (output [T, d], load-balancing loss,
+    router z-loss) of this layer.
+
+    Load balancing is the Switch/OLMoE form n_experts * sum_e f_e * P_e with f_e the share
+    of the T * top_k (token, slot) assignments that went to e and P_e the mean router
+    score of e; the z-loss is mean(logsumexp(router logits)^2)."""
+    logits = x @ p[prefix + "gate.weight"].T
+    chosen, weights, scores = route(moe, logits)
 
     out = np.zeros_like(x)
     for e in range(moe.n_experts):
