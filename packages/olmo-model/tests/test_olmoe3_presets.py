@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from olmo_model import SpecError, get_preset, param_counts, spec_from_dict
+from olmo_model import SpecError, cli, get_preset, param_counts, spec_from_dict
 from olmo_model.maths import flops_per_token
 
 # (preset, active, total) in billions as the report and OLMo-core's test write them; OLMo-core's
@@ -91,7 +91,13 @@ def test_t001_flops_per_token_by_hand():
     head = 6 * d * vocab
     by_hand = 16 * (projections + scores) + 15 * (router + routed + shared_expert) + dense_mlp + head
     assert by_hand == 9_902_161_920
-    assert flops_per_token(get_preset("olmoe3-t001"), 8192) == by_hand
+    t001 = get_preset("olmoe3-t001")
+    assert flops_per_token(t001, 8192) == by_hand
+    # With Olmo 3's window (4096 on 3 of every 4 layers) a sliding query sees min(p + 1, 4096) keys:
+    # (4096 * 4097 / 2 + (8192 - 4096) * 4096) / 8192 on average, on 12 of the 16 layers.
+    sliding_keys = (4096 * 4097 / 2 + (8192 - 4096) * 4096) / 8192
+    windowed = by_hand - 12 * 12 * heads * head_dim * ((8192 + 1) / 2 - sliding_keys)
+    assert flops_per_token(t001.replace(sliding_window=4096), 8192) == windowed
 
 
 @pytest.mark.parametrize("experts", [8, 32, 64, 128])
@@ -159,3 +165,16 @@ def test_head_dim_is_derived_unless_given():
     assert s001.replace(d_model=2048).head_dim == 128
     with pytest.raises(SpecError, match=r"n_heads=24 does not divide d_model=2560; .* or set head_dim"):
         spec_from_dict({"d_model": 2560, "n_heads": 24})
+
+
+def test_cli_lists_and_describes_the_presets(capsys):
+    """`olmo-model presets` shows experts (routed x top-k + shared), dense leading layers and
+    active / total parameters in full, however narrow the terminal; describe adds the short forms."""
+    assert cli.main(["presets"]) == 0
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines() if "│" in line}
+    u001 = [cell.strip() for cell in rows["olmoe3-u001"].split("│")[1:-1]]
+    assert u001 == ["olmoe3-u001", "6144", "63", "64/32", "128", "40960", "128x4+1", "2", "58.36B/1.200T"]
+    assert [c.strip() for c in rows["olmo3-7b"].split("│")[7:9]] == ["-", "-"]
+    assert cli.main(["describe", "olmoe3-t001"]) == 0
+    out = capsys.readouterr().out
+    assert "12,912,105,472 (12.91B)" in out and "1,587,484,672 (1.59B)" in out

@@ -218,7 +218,8 @@ class ModelSpec(_Frozen):
         return self.yarn if self.layer_types[i] == FULL else None
 
     def replace(self, **changes) -> ModelSpec:
-        """A new validated spec with some fields changed (layer_types re-derived unless given)."""
+        """A new validated spec with some fields changed (layer_types re-derived unless given; head_dim
+        too, on a change of d_model or n_heads, where it was d_model / n_heads)."""
         data = self.model_dump()
         if "layer_types" not in changes and ("n_layers" in changes or "sliding_window" in changes):
             data["layer_types"] = None
