@@ -11,7 +11,10 @@ Layout of one checkpoint (``olmo_run.checkpoints`` owns the run dir around it)::
 Model and optimizer go through ``get_state_dict`` / ``set_state_dict``, so the stored keys
 are the plain module names whatever the wrapper (FSDP2, HSDP, DDP, none, activation
 checkpointing, compile), and DCP reshards on load: a checkpoint from 4 ranks resumes on 2,
-or on one process without a process group.
+or on one process without a process group. With ``optim.sharded`` the same keys hold the fp32
+master weights and moments, each a DTensor block of the full tensor
+(``ShardedAdamW.checkpoint_state``): such a checkpoint resumes on FSDP2, plain DDP or another
+data-parallel size, and theirs on it.
 
 With ``checkpoint.async_save`` the state is staged to CPU memory before ``save`` returns
 and written by a background thread (over its own gloo group, so its collectives never
@@ -60,6 +63,7 @@ from olmo_run.run_dir import RunPath
 from olmo_run.write_failure import checkpoint_write_failure, os_error_code
 
 from .parallelize import Distributed
+from .sharded_optimizer import ShardedAdamW, ShardedMasters, model_state, sharded_masters_of
 
 # A single process without a process group is a supported DCP mode, which torch announces
 # on every save and load; the message says nothing new here.
@@ -217,7 +221,11 @@ class Checkpointer:
         if self.d.is_main and fileio.exists(ckpt):
             fileio.delete(ckpt, recursive=True)  # an incomplete save of this step from a crashed run
         self.d.barrier()
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = (
+            optimizer.checkpoint_state(model)
+            if isinstance(optimizer, ShardedAdamW)
+            else get_state_dict(model, optimizer)
+        )
         state = {"model": msd, "optim": osd}
         no_dist = not self.d.initialized
         # A URL gets DCP's fsspec writer; a local folder its plain file-system writer.
@@ -278,6 +286,26 @@ class Checkpointer:
         self.wait()
 
 
+def _load_sharded(
+    model: nn.Module, masters: ShardedMasters, optimizer: torch.optim.Optimizer | None, source: dict, no_dist: bool
+) -> None:
+    """``load_checkpoint`` for ``optim.sharded``: the weights into the fp32 masters and the
+    moments into ``ShardedAdamW``'s (DCP reshards each from whatever layout wrote it; the
+    checkpoint's param groups are not read: the recipe sets them), then the compute weights
+    gathered from the masters."""
+    if optimizer is not None and not isinstance(optimizer, ShardedAdamW):
+        raise TypeError(
+            f"load_checkpoint: a model with sharded masters needs a ShardedAdamW, got {type(optimizer).__name__}"
+        )
+    if optimizer is None:
+        state: dict[str, Any] = {"model": model_state(model, masters)}
+    else:
+        msd, osd = optimizer.checkpoint_state(model)
+        state = {"model": msd, "optim": {"state": osd["state"]}}
+    dcp.load(state, **source, no_dist=no_dist)
+    masters.gather()
+
+
 def load_checkpoint(ckpt: RunPath, d: Distributed, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Load model (and optimizer unless None) from a DCP checkpoint onto the current layout;
     ``ckpt`` may be a gs:// / s3:// URL (read with ranged GETs by DCP's fsspec reader)."""
@@ -289,6 +317,9 @@ def load_checkpoint(ckpt: RunPath, d: Distributed, model: nn.Module, optimizer: 
         return {"storage_reader": _reader(ckpt)} if isinstance(ckpt, URLPath) else {"checkpoint_id": str(ckpt)}
 
     try:
+        if (masters := sharded_masters_of(model)) is not None:
+            _load_sharded(model, masters, optimizer, source(), no_dist)
+            return
         if optimizer is None:
             state: dict[str, Any] = {"model": get_model_state_dict(model)}
             dcp.load(state, **source(), no_dist=no_dist)

@@ -7,7 +7,9 @@ The model (``model.py``) knows nothing of parallelism; this module wraps an unch
   the output head, then the root, over a 1-D mesh ``(dp,)`` of all ranks;
 - ``hsdp``: the same over a 2-D mesh ``(dp_replicate, dp_shard)`` = ``(replicate,
   world / replicate)``: parameters sharded within a group, replicated across groups;
-- ``ddp``: ``DistributedDataParallel`` (every rank holds the full model);
+- ``ddp``: ``DistributedDataParallel`` (every rank holds the full model); with ``optim.sharded``
+  no wrapper: every rank holds the full compute weights and 1/dp of the fp32 master weights and
+  AdamW moments, gradients reduce-scattered per tensor (``sharded_optimizer.py``);
 - ``none``: no wrapper (one process only).
 
 Every mode is data parallelism: each rank is one data-parallel rank of the loader,
@@ -71,6 +73,7 @@ from olmo_run.recipe import RecipeError, TorchSection
 from .context_parallel import ContextParallel
 from .expert_parallel import apply_expert_parallel, expert_mesh, expert_parameters, hook_expert_gradients, ignore_in_ddp
 from .model import OlmoModel
+from .sharded_optimizer import attach_sharded_masters, sharded_masters_of
 
 
 @dataclass(frozen=True)
@@ -146,9 +149,13 @@ def init_distributed(backend: str) -> Distributed:
     return Distributed(rank=rank, world_size=world, local_rank=local, device=device, initialized=True)
 
 
-def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | None = None) -> None:
-    """Refuse a parallel mode the world size (or, for expert parallelism, the spec) cannot
-    run, before anything starts."""
+def check_parallel(
+    section: TorchSection, world_size: int, spec: ModelSpec | None = None, *, optim_sharded: bool = False
+) -> None:
+    """Refuse a parallel mode the world size (or, for expert parallelism, the spec; for
+    ``optim.sharded``, the mode) cannot run, before anything starts."""
+    if optim_sharded:
+        check_sharded_optimizer(section, world_size)
     if section.parallel == "none" and world_size > 1:
         raise RecipeError(
             f"torch.parallel=none runs one process, but {world_size} were launched; "
@@ -197,6 +204,20 @@ def check_parallel(section: TorchSection, world_size: int, spec: ModelSpec | Non
         )
 
 
+def check_sharded_optimizer(section: TorchSection, world_size: int) -> None:
+    """``optim.sharded`` shards AdamW over the data-parallel ranks of ``torch.parallel=ddp``."""
+    if section.parallel in ("fsdp", "hsdp"):
+        raise RecipeError(
+            f"optim.sharded=true with torch.parallel={section.parallel}: FSDP2 shards the optimizer state "
+            "already; set optim.sharded=false, or torch.parallel=ddp"
+        )
+    if section.parallel == "none" or world_size == 1:
+        raise RecipeError(
+            "optim.sharded=true shards the optimizer state over data-parallel ranks, and this run has one; "
+            "set optim.sharded=false, or torch.parallel=ddp with 2 or more processes"
+        )
+
+
 def check_sequence_split(section: TorchSection, sequence_length: int) -> None:
     """Refuse a context degree the sequence cannot be split by (2 x degree equal chunks)."""
     cp = section.context_parallel
@@ -207,10 +228,13 @@ def check_sequence_split(section: TorchSection, sequence_length: int) -> None:
         )
 
 
-def check_layout(section: TorchSection, world_size: int, spec: ModelSpec, sequence_length: int) -> None:
-    """Every check of the recipe's torch section against the ranks, the spec and the sequence,
-    before anything is written (the trainer and its dry run call this one function)."""
-    check_parallel(section, world_size, spec)
+def check_layout(
+    section: TorchSection, world_size: int, spec: ModelSpec, sequence_length: int, *, optim_sharded: bool = False
+) -> None:
+    """Every check of the recipe's torch section (and ``optim.sharded``) against the ranks, the
+    spec and the sequence, before anything is written (the trainer and its dry run call this one
+    function)."""
+    check_parallel(section, world_size, spec, optim_sharded=optim_sharded)
     check_sequence_split(section, sequence_length)
 
 
@@ -314,6 +338,7 @@ def parallelize(
     experts: DeviceMesh | None = None,
     *,
     materialize: Callable[[nn.Module], None] | None = None,
+    sharded_optimizer: bool = False,
 ) -> nn.Module:
     """Lay an unchanged model out over the ranks, in torchtitan's order: context parallelism
     (``section.context_parallel``: the context group installed as ``model.context``), expert
@@ -321,6 +346,10 @@ def parallelize(
     model built on the meta device is materialised by ``materialize`` (storage for this rank's
     shards only, and their values), the expert gradients are hooked and, last, DDP wraps it
     (DDP needs values: it checks and broadcasts them when built).
+
+    ``sharded_optimizer`` (``optim.sharded`` under ``ddp``): no DDP wrapper and no expert gradient
+    hook; the fp32 masters of ``sharded_optimizer.attach_sharded_masters`` reduce-scatter every
+    gradient instead (DDP's all-reduce would reduce them twice).
 
     Every step but DDP works on a meta model; an initialised one is accepted too (the shards are
     then cut from its values). Returns the module to call (the same object except for DDP)."""
@@ -343,6 +372,11 @@ def parallelize(
         apply_fsdp(model, mesh, precision, ignored)
     if materialize is not None:
         materialize(model)
+    if sharded_optimizer:
+        if mesh is None or section.parallel != "ddp":
+            raise ValueError("parallelize: sharded_optimizer needs torch.parallel=ddp and a data-parallel mesh")
+        attach_sharded_masters(model, mesh, experts, precision)
+        return model
     if experts is not None:
         # After materialize, which may replace the expert parameters (to_empty).
         edp = experts["edp"]
@@ -367,7 +401,10 @@ def gradient_sync(model: nn.Module, enabled: bool):
     """On accumulation micro-steps that are not the last one (``enabled`` False): DDP skips its
     all-reduce, HSDP its all-reduce across replicas. FSDP2 still reduce-scatters every micro-step
     and accumulates the sharded gradients: skipping it would keep a full unsharded fp32 gradient
-    on every rank until the last micro-step (4 bytes per parameter: 129 GB for olmo3-32b)."""
+    on every rank until the last micro-step (4 bytes per parameter: 129 GB for olmo3-32b). The
+    sharded optimizer's masters reduce-scatter on the last micro-step only."""
+    if (masters := sharded_masters_of(model)) is not None:
+        return masters.syncing(enabled)
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(enabled)
         return contextlib.nullcontext()

@@ -72,6 +72,7 @@ from .parallelize import (
     parallelize,
     unwrap,
 )
+from .sharded_optimizer import ShardedAdamW, sharded_masters_of
 
 # torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); the JAX trainer writes the same.
 CLIP_EPS = 1e-6
@@ -94,9 +95,16 @@ def param_groups(model: nn.Module, recipe: Recipe) -> list[dict[str, Any]]:
 
 
 def make_optimizer(model: nn.Module, recipe: Recipe, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the model's parameters; with ``optim.sharded``, ``ShardedAdamW`` over the fp32
+    masters ``parallelize`` attached (1/dp of each large tensor per rank)."""
     o = recipe.optim
     # fused kernels on GPU; foreach (multi-tensor) on CPU, where it is the fastest exact path.
     fast = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    masters = sharded_masters_of(unwrap(model))
+    if o.sharded != (masters is not None):
+        raise ValueError(f"make_optimizer: optim.sharded={o.sharded}, but the model was parallelized for the other")
+    if masters is not None:
+        return ShardedAdamW(masters, recipe, **fast)
     return torch.optim.AdamW(param_groups(model, recipe), lr=o.lr, betas=o.betas, eps=o.eps, **fast)
 
 
@@ -317,7 +325,16 @@ def prepare_model(
             mxfp8=recipe.moe.mxfp8,
             capacity_factor=recipe.moe.capacity_factor,
         )
-    return parallelize(model, mesh, recipe.torch, recipe.train.precision, d.device, experts, materialize=materialize)
+    return parallelize(
+        model,
+        mesh,
+        recipe.torch,
+        recipe.train.precision,
+        d.device,
+        experts,
+        materialize=materialize,
+        sharded_optimizer=recipe.optim.sharded,
+    )
 
 
 def start_model(

@@ -59,7 +59,9 @@ class TorchTrainer(Trainer):
     def check(self, inputs: Inputs) -> None:
         """The layout against torchrun's launched world size, before joining its group."""
         _, world_size, _ = process_layout()
-        check_layout(self.recipe.torch, world_size, inputs.spec, inputs.sequence_length)
+        check_layout(
+            self.recipe.torch, world_size, inputs.spec, inputs.sequence_length, optim_sharded=self.recipe.optim.sharded
+        )
         inputs.batch_layout(self.dp_size(world_size))
 
     def init_distributed(self) -> Processes:
