@@ -36,9 +36,10 @@ from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.presets import SpecError
 
 from .checkpoint import Checkpoint, CheckpointError, Location, parse_location, require_jax
+from .dcp import save_dcp
 from .formats import DTYPES, atomic_destination, check_destination, open_checkpoint, write_hf, write_olmo_core
 from .hf_tokenizer import ExportTokenizer, export_tokenizer
-from .native import write_jax, write_torch
+from .native import write_jax, write_spec_file, write_torch
 
 
 def convert(
@@ -75,6 +76,8 @@ def convert(
     if dst_loc.kind == "jax":
         require_jax(dst)
     with open_checkpoint(src_loc, spec) as ckpt:
+        if dst_loc.kind == "hf" and ckpt.spec.moe is not None:
+            _refuse_moe_hf(dst, ckpt.spec)
         export, why_none = export_tokenizer(ckpt, tokenizer) if dst_loc.kind == "hf" else (None, "")
         with atomic_destination(dst_loc.path, overwrite) as tmp:
             _write_weights(dst_loc, tmp, ckpt, dtype, export, max_shard_bytes)
@@ -84,6 +87,22 @@ def convert(
                 file=sys.stderr,
             )
         return ckpt.spec if export is None else export.spec
+
+
+def _refuse_moe_hf(dst: str, spec: ModelSpec) -> None:
+    """hf: holds transformers' Olmo3 (dense) layout; the one MoE model transformers has, OLMoE, is
+    pre-norm without shared experts or restored weight scale, which OLMo-core 3's MoE is not."""
+    from olmo_model.hf_moe import olmoe_config
+
+    try:
+        olmoe_config(spec)
+        why = "an OLMoE export is not written by olmo-convert"
+    except SpecError as err:
+        why = str(err)
+    raise CheckpointError(
+        f"{dst}: spec '{spec.name}' is MoE and hf: holds the dense Olmo3 layout ({why}); "
+        "convert to olmo-core:, torch: or jax: instead"
+    )
 
 
 def _convert_run(src: str, dst: str, *, dtype: torch.dtype | None, overwrite: bool, tokenizer: str | None) -> ModelSpec:
@@ -122,12 +141,27 @@ def _write_weights(
             export.write(tmp)
     elif dst_loc.kind == "olmo-core":
         write_olmo_core(tmp, ckpt, dtype_of, as_file=dst_loc.path.suffix == ".pt")
+    elif dst_loc.kind == "torch" and ckpt.spec.moe is not None:
+        _write_torch_moe(tmp, ckpt, dtype)
     elif dst_loc.kind == "torch":
         write_torch(tmp, ckpt, dtype_of)
     else:
         stored = {d for _, d in ckpt.stored.values()}
         keep_bf16 = dtype is None and stored == {torch.bfloat16}
         write_jax(tmp, ckpt, "bfloat16" if dtype == torch.bfloat16 or keep_bf16 else "float32")
+
+
+def _write_torch_moe(tmp: Path, ckpt: Checkpoint, dtype: torch.dtype | None) -> None:
+    """A torch: folder of an MoE spec: the OlmoModel state dict, its experts stacked by the trainer's
+    own adapter (``olmo_train_torch.model_from_hf``), in ``dtype`` or the stored one, + spec.json."""
+    from olmo_train_torch import model_from_hf
+
+    stored = {d for _, d in ckpt.stored.values()}
+    model = model_from_hf(
+        ckpt.spec, dict(ckpt.tensors()), dtype or (stored.pop() if len(stored) == 1 else torch.float32)
+    )
+    save_dcp(tmp, {name: t.contiguous() for name, t in model.state_dict().items()})
+    write_spec_file(tmp, ckpt.spec)
 
 
 def _size_of(path: Path) -> int:

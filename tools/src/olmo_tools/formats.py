@@ -7,10 +7,12 @@ holds about one tensor in memory:
 - ``hf:DIR``: config.json + model.safetensors, or model-0000i-of-0000n.safetensors with
   model.safetensors.index.json; read tensor by tensor with positional reads, written by
   a streaming writer (the header is known from the spec before any tensor is read).
-- ``olmo-core:PATH``: an OLMo-core olmo3 model state dict, either a torch ``.pt`` file
+- ``olmo-core:PATH``: an OLMo-core model state dict, either a torch ``.pt`` file
   (read with ``torch.load(mmap=True)``) or a torch.distributed.checkpoint directory whose
   model keys sit under ``model.`` (as OLMo-core's ``save_model_and_optim_state`` writes
   them; its ``optim.*`` entries are ignored). It carries no config: ``--spec`` is needed.
+  A dense spec maps OLMo-core's olmo3 transformer (names below); a spec with a ``moe``
+  section maps its OLMoDDP MoE model (``olmo_tools.olmo_core_moe``).
 
 Our trainers' own checkpoints (``torch:DIR``, ``jax:DIR``) live in ``olmo_tools.native``,
 torch.distributed.checkpoint reading in ``olmo_tools.dcp``.
@@ -41,6 +43,7 @@ from olmo_run.checkpoints import pid_alive
 from .checkpoint import KINDS, Checkpoint, CheckpointError, Location, checked_tensor, resolve_spec, validate
 from .dcp import DCP_METADATA, DCPDir, load_torch_file, save_dcp
 from .native import JaxCheckpoint, TorchCheckpoint
+from .olmo_core_moe import Piece, check_stored, olmoddp_layout, olmoddp_state, stores_fused_qkv
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -96,7 +99,7 @@ def olmo_core_name(hf_name: str) -> str:
     m = _HF_LAYER_KEY.fullmatch(hf_name)
     if not m or m.group(2) not in _HF_FROM_BLOCK:
         raise CheckpointError(
-            f"tensor '{hf_name}' has no OLMo-core olmo3 counterpart (MoE and per-head QK-norm are not mapped)"
+            f"tensor '{hf_name}' has no OLMo-core olmo3 counterpart; MoE specs map through olmo_tools.olmo_core_moe"
         )
     return f"blocks.{m.group(1)}.{_HF_FROM_BLOCK[m.group(2)]}"
 
@@ -261,7 +264,8 @@ def write_hf(
 
 # ---- OLMo-core ----------------------------------------------------------------------------
 class OlmoCoreCheckpoint(Checkpoint):
-    """An OLMo-core olmo3 model state dict: a ``.pt`` file or a DCP directory (keys under ``model.``)."""
+    """An OLMo-core model state dict: a ``.pt`` file or a DCP directory (keys under ``model.``);
+    olmo3 names for a dense spec, OLMoDDP names (``olmo_core_moe``) for an MoE spec."""
 
     def __init__(self, path: Path, spec: str | ModelSpec | None = None):
         self.origin = f"olmo-core:{path}"
@@ -274,8 +278,13 @@ class OlmoCoreCheckpoint(Checkpoint):
                     f"{path}: no {DCP_METADATA}; an olmo-core: directory is a torch.distributed.checkpoint"
                 )
             self._dcp = DCPDir(path)
-            # OLMo-core keeps model and optimizer in one DCP: model keys under "model.".
+            # OLMo-core keeps model and optimizer in one DCP: model keys under "model.". The OLMoDDP
+            # train module's own checkpoints hold the fp32 master weights instead, flat, as NAME.main
+            # next to their AdamW moments (its _resolve_model_checkpoint_key reads both forms).
             keys = {k.removeprefix("model."): k for k in self._dcp.tensors if k.startswith("model.")}
+            keys = keys or {
+                k.removeprefix("module.").removesuffix(".main"): k for k in self._dcp.tensors if k.endswith(".main")
+            }
             shapes = {k: self._dcp.tensors[full] for k, full in keys.items()}
         elif path.is_file():
             self._state = load_torch_file(path)
@@ -284,33 +293,68 @@ class OlmoCoreCheckpoint(Checkpoint):
         else:
             raise CheckpointError(f"{path}: not found; olmo-core:PATH is a .pt state dict or a DCP directory")
         self._source_key: dict[str, str] = {}
+        self._pieces: dict[str, Piece] = {}
+        self._unflatten: dict[str, tuple[int, ...]] = {}  # NAME.main keys -> the parameter's shape
+        self._last: tuple[str, torch.Tensor] | None = None  # the OLMo-core tensor an MoE name was cut from
         self.stored = {}
+        if self.spec.moe is not None:
+            self._init_moe(keys, shapes)
+            return
+        if any(".routed_experts." in k or ".shared_experts." in k for k in keys):
+            raise CheckpointError(
+                f"{self.origin}: an OLMo-core MoE (OLMoDDP) checkpoint, but spec '{self.spec.name}' is dense; "
+                "pass --spec with the moe section the checkpoint was trained with"
+            )
         for key, stored_key in keys.items():
             # Unknown keys keep their own name so that validate() reports them as unexpected.
             name = hf_name_from_olmo_core(key) or key
             self._source_key[name] = stored_key
             self.stored[name] = shapes[key]
 
-    def tensor(self, name: str) -> torch.Tensor:
-        key = self._source_key[name]
+    def _init_moe(self, keys: dict[str, str], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """The OLMoDDP layout: every OLMo-core tensor checked, then our names cut from them."""
+        sizes, _ = olmoddp_layout(self.spec, fused_qkv=stores_fused_qkv(keys))
+        stored = {k: shape for k, (shape, _) in shapes.items()}
+        for key, full in keys.items():
+            want = sizes.get(key)
+            if full.endswith(".main") and want is not None and stored[key] == (math.prod(want),):
+                self._unflatten[key] = stored[key] = want
+        _, self._pieces = check_stored(self.spec, stored, self.origin)
+        self._source_key = keys
+        ours = hf_param_shapes(self.spec)
+        self.stored = {name: (ours[name], shapes[piece.key][1]) for name, piece in self._pieces.items()}
+
+    def _load(self, key: str) -> torch.Tensor:
         if self._dcp is not None:
-            return checked_tensor(self, name, self._dcp.load(key))
+            t = self._dcp.load(self._source_key[key])
+            return t.view(self._unflatten[key]) if key in self._unflatten else t
         assert self._state is not None  # __init__ sets _dcp or _state
-        return checked_tensor(self, name, self._state[key])
+        return self._state[self._source_key[key]]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._pieces:
+            return checked_tensor(self, name, self._load(name))
+        piece = self._pieces[name]
+        if self._last is None or self._last[0] != piece.key:
+            self._last = (piece.key, self._load(piece.key))
+        return checked_tensor(self, name, piece.take(self._last[1]).contiguous())
 
 
 def write_olmo_core(dst: Path, ckpt: Checkpoint, dtype_of: Callable[[str], torch.dtype], as_file: bool) -> None:
     """A ``.pt`` state dict (``as_file``), else a DCP directory with keys under ``model.``
     (both need the whole state in memory: torch.save and DCP write one dict)."""
     names = hf_param_shapes(ckpt.spec)
+    if ckpt.spec.moe is not None:
+        state = olmoddp_state(ckpt.spec, lambda n: ckpt.tensor(n).to(dtype_of(n)))
+    else:
+        state = {olmo_core_name(n): ckpt.tensor(n).to(dtype_of(n)).contiguous() for n in names}
     if as_file:
-        state = {olmo_core_name(n): ckpt.tensor(n).to(dtype_of(n)) for n in names}
         with open(dst, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
     else:
-        save_dcp(dst, {f"model.{olmo_core_name(n)}": ckpt.tensor(n).to(dtype_of(n)).contiguous() for n in names})
+        save_dcp(dst, {f"model.{key}": t for key, t in state.items()})
 
 
 # ---- destinations ----------------------------------------------------------------------------
