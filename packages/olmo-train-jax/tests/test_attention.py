@@ -29,7 +29,7 @@ from olmo_train_jax.causal_attention import (
     blocked_causal_attention,
     query_block,
 )
-from olmo_train_jax.model import scan_period
+from olmo_train_jax.layer_stacks import scan_period
 
 jax.config.update("jax_enable_x64", False)
 

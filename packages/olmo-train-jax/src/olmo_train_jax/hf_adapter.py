@@ -9,6 +9,8 @@ MoE layers use the per-expert names of ``hf_param_shapes`` (``mlp.gate.weight`` 
 ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.shared_experts.{s}...``): routed expert
 e is slice e of the stacked expert axis; the shared experts are stored concatenated along
 their hidden axis, so shared expert s is hidden columns [s*h, (s+1)*h) (rows for down_proj).
+In a stack that mixes dense and MoE layers, layer i's MLP weights are row ``mlp_row(spec, i)``
+of its kind's stack (``layer_stacks``); its attention weights and norms are row i.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flax import nnx
 from olmo_model import HFLayoutError, ModelSpec, hf_param_shapes, validate_hf_tensors
 from olmo_model.init import init_values
 
+from .layer_stacks import DENSE_MLP_PARAMS, mlp_row
 from .model import OlmoModel
 
 # HF name -> (attribute of OlmoModel, whether the HF tensor is a transposed (out, in) linear).
@@ -54,7 +57,8 @@ CheckpointMismatchError = HFLayoutError
 
 def _slot(spec: ModelSpec, name: str) -> tuple[str | None, str, int | None, tuple, bool]:
     """Where HF tensor ``name`` lives: (StackedLayers attribute or None for a top-level one,
-    attribute name, layer index, index into that layer's array, transposed)."""
+    attribute name, row of the stack (the layer index; for an MLP weight its row in its kind's
+    stack, ``layer_stacks.mlp_row``), index into that row's array, transposed)."""
     if name in _TOP:
         attr, transposed = _TOP[name]
         return None, attr, None, (), transposed
@@ -63,18 +67,19 @@ def _slot(spec: ModelSpec, name: str) -> tuple[str | None, str, int | None, tupl
     layer, suffix = int(match[1]), match[2]
     if suffix in _LAYER:
         attr, transposed = _LAYER[suffix]
-        return "layers", attr, layer, (), transposed
+        return "layers", attr, mlp_row(spec, layer) if attr in DENSE_MLP_PARAMS else layer, (), transposed
+    row = mlp_row(spec, layer)  # the MoE stack holds the MoE layers only
     if suffix == "mlp.gate.weight":
-        return "layers", "router", layer, (), True
+        return "layers", "router", row, (), True
     expert = _EXPERT_NAME.fullmatch(suffix)
     assert expert is not None and spec.moe is not None, name
     kind, e, proj = expert[1], int(expert[2]), expert[3]
     if kind == "experts":
-        return "layers", f"expert_{proj}_proj", layer, (e,), True
+        return "layers", f"expert_{proj}_proj", row, (e,), True
     h = spec.moe.shared_hidden
     cols = slice(e * h, (e + 1) * h)
     index = (cols, slice(None)) if proj == "down" else (slice(None), cols)
-    return "layers", f"shared_{proj}_proj", layer, index, True
+    return "layers", f"shared_{proj}_proj", row, index, True
 
 
 def to_hf(model: OlmoModel, spec: ModelSpec) -> dict[str, np.ndarray]:

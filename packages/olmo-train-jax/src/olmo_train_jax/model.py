@@ -18,17 +18,20 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
   when the spec has ``moe``;
   no biases anywhere.
 
-Parameter layout: the per-layer weights are STACKED along a leading ``n_layers`` axis
+Parameter layout: the per-layer weights are STACKED along a leading layer axis
 (``model.layers.q_proj`` is [n_layers, d_model, q_width]); the forward views each as
 [n_layers / P, P, ...] (a free reshape) and runs ``jax.lax.scan`` over the n_layers / P
-repeats of the layer pattern, P the pattern's period (``scan_period``: 4 for Olmo 3's
-3 sliding : 1 global; n_layers, i.e. fully unrolled, for a non-periodic explicit pattern).
-Inside the scanned body the P layers are unrolled, so each layer's attention kind (window
-length, RoPE or YaRN table) is STATIC: attention picks its kernel at trace time (causal
+repeats of the layer pattern, P the pattern's period (``layer_stacks.scan_period``: 4 for
+Olmo 3's 3 sliding : 1 global; n_layers, i.e. fully unrolled, for a non-periodic explicit
+pattern). Inside the scanned body the P layers are unrolled, so each layer's attention kind
+(window length, RoPE or YaRN table) is STATIC: attention picks its kernel at trace time (causal
 without a mask array, a blocked local window, or a dense static mask) instead of masking
 S x S scores with data. Compile time stays flat in depth (one period is traced), and the
 layer axis is a plain array axis that the parallelize module can leave replicated or split
-without touching this file.
+without touching this file. A stack that mixes dense and MoE layers (``moe.layers``, OLMo-core
+3's dense leading blocks) keeps each MLP kind in its own stack over its own layers and runs one
+scan per run of repeats with the same kinds (``layer_stacks``, which says why): P layers
+traced per run, two runs for dense leading blocks at any depth.
 
 Attention (``causal_attention.attention``): global layers, and sliding layers whose window
 covers most of the sequence, run ``causal_attention.blocked_causal_attention`` (query blocks that skip the keys
@@ -57,7 +60,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +76,7 @@ from .causal_attention import ATTENTION_IMPLS, attention
 from .context_parallel import ContextParallel, context_attention
 from .grouped_gemm import ExpertWeights
 from .head_loss import head_loss_sums
+from .layer_stacks import LayerRun, layer_runs
 from .layers import linear, rms_norm, swiglu_down
 from .moe import ExpertsFn, RoutingStats, local_experts, moe_block
 from .precision import matmul_precision
@@ -112,21 +116,23 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def scan_period(layer_types: tuple[str, ...]) -> int:
-    """Smallest P dividing n_layers with layer_types[i] == layer_types[i % P] for every i: the
-    scan walks n_layers / P repeats of P unrolled layers (Olmo 3: P = 4; a non-periodic
-    pattern: P = n_layers, one repeat, every layer unrolled)."""
-    n = len(layer_types)
-    return next(
-        p for p in range(1, n + 1) if n % p == 0 and all(layer_types[i] == layer_types[i % p] for i in range(n))
-    )
+class _LayerInputs(NamedTuple):
+    """What every layer of one forward reads besides its weights and the hidden states."""
+
+    rope: dict[str, tuple[jax.Array, jax.Array]]  # cos, sin [S, head_dim] per attention kind
+    doc_ids: jax.Array | None
+    routing: str
+    routing_key: jax.Array | None
+    positions: jax.Array
 
 
 class StackedLayers(nnx.Module):
-    """All decoder layers' weights, each with a leading n_layers axis."""
+    """All decoder layers' weights, stacked as ``layer_stacks`` says
+    (attention and norms over every layer, each MLP kind over its own layers)."""
 
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, param_dtype):
         L, d, h = spec.n_layers, spec.d_model, spec.mlp_hidden
+        n_moe = sum(spec.is_moe_layer(i) for i in range(L))
         self.q_proj = _truncated_normal(rngs, (L, d, spec.q_width), spec, param_dtype)
         self.k_proj = _truncated_normal(rngs, (L, d, spec.kv_width), spec, param_dtype)
         self.v_proj = _truncated_normal(rngs, (L, d, spec.kv_width), spec, param_dtype)
@@ -138,27 +144,27 @@ class StackedLayers(nnx.Module):
             self.q_norm = _ones((L, spec.head_dim), param_dtype)
             self.k_norm = _ones((L, spec.head_dim), param_dtype)
         self.attn_norm = _ones((L, d), param_dtype)
-        if spec.moe is None:
-            self.gate_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
-            self.up_proj = _truncated_normal(rngs, (L, d, h), spec, param_dtype)
-            self.down_proj = _truncated_normal(rngs, (L, h, d), spec, param_dtype)
-        else:
+        if n_moe < L:
+            self.gate_proj = _truncated_normal(rngs, (L - n_moe, d, h), spec, param_dtype)
+            self.up_proj = _truncated_normal(rngs, (L - n_moe, d, h), spec, param_dtype)
+            self.down_proj = _truncated_normal(rngs, (L - n_moe, h, d), spec, param_dtype)
+        if spec.moe is not None and n_moe:
             moe = spec.moe
             E, eh = moe.n_experts, moe.expert_hidden
-            self.router = _truncated_normal(rngs, (L, d, E), spec, param_dtype)
-            self.expert_gate_proj = _truncated_normal(rngs, (L, E, d, eh), spec, param_dtype)
-            self.expert_up_proj = _truncated_normal(rngs, (L, E, d, eh), spec, param_dtype)
-            self.expert_down_proj = _truncated_normal(rngs, (L, E, eh, d), spec, param_dtype)
+            self.router = _truncated_normal(rngs, (n_moe, d, E), spec, param_dtype)
+            self.expert_gate_proj = _truncated_normal(rngs, (n_moe, E, d, eh), spec, param_dtype)
+            self.expert_up_proj = _truncated_normal(rngs, (n_moe, E, d, eh), spec, param_dtype)
+            self.expert_down_proj = _truncated_normal(rngs, (n_moe, E, eh, d), spec, param_dtype)
             if moe.n_shared_experts:
                 # All shared experts as one SwiGLU of hidden S*shared_hidden: the same sum.
                 sh = moe.n_shared_experts * moe.shared_hidden
-                self.shared_gate_proj = _truncated_normal(rngs, (L, d, sh), spec, param_dtype)
-                self.shared_up_proj = _truncated_normal(rngs, (L, d, sh), spec, param_dtype)
-                self.shared_down_proj = _truncated_normal(rngs, (L, sh, d), spec, param_dtype)
+                self.shared_gate_proj = _truncated_normal(rngs, (n_moe, d, sh), spec, param_dtype)
+                self.shared_up_proj = _truncated_normal(rngs, (n_moe, d, sh), spec, param_dtype)
+                self.shared_down_proj = _truncated_normal(rngs, (n_moe, sh, d), spec, param_dtype)
         self.mlp_norm = _ones((L, d), param_dtype)
 
     def arrays(self) -> dict[str, jax.Array]:
-        """The stacked weights as a plain dict, the pytree that lax.scan slices per layer."""
+        """The stacked weights as a plain dict, the pytree that the scans slice per layer."""
         return {name: p[...] for name, p in vars(self).items() if isinstance(p, nnx.Param)}
 
 
@@ -192,12 +198,6 @@ class OlmoModel(nnx.Module):
         remat: str = "none",
         attention: str = "auto",
     ):
-        if spec.moe is not None and not all(spec.is_moe_layer(i) for i in range(spec.n_layers)):
-            # One stacked layout means one parameter layout for every layer.
-            raise NotImplementedError(
-                f"spec '{spec.name}': moe.layers={list(spec.moe.layers or [])} mixes dense and MoE layers, "
-                "which the stacked (scanned) JAX layers cannot hold; set moe.layers to null (every layer MoE)"
-            )
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat='{remat}' is unknown; use one of: {', '.join(REMAT_POLICIES)}")
         self.spec = spec
@@ -315,45 +315,23 @@ class OlmoModel(nnx.Module):
         x = self._place(jnp.take(self.embed[...], input_ids, axis=0).astype(dtype))
         if positions is None:
             positions = jnp.arange(seq_len, dtype=jnp.int32)
-
-        rope = {
+        rope: dict[str, tuple[jax.Array, jax.Array]] = {
             SLIDING: _cos_sin(*rope_inv_freq(spec, None), positions),
             FULL: _cos_sin(*rope_inv_freq(spec, spec.yarn), positions),
         }
-        n_layers = spec.n_layers
-        assert spec.layer_types is not None  # filled by ModelSpec._fill_layer_types
-        layer_types = spec.layer_types
-        period = scan_period(layer_types)
-        policy = REMAT_POLICIES[self.remat]
-
-        def layer(h, weights, repeat, p):
-            # Layer repeat * period + p: its kind is layer_types[p], known at trace time.
-            cos, sin = rope[layer_types[p]]
-            key = None if routing_key is None else jax.random.fold_in(routing_key, repeat * period + p)
-            return self._block(h, weights, cos, sin, spec.window_of(p), doc_ids, routing, key, positions)
-
-        def body(h, xs):
-            weights, repeat = xs
-            stats = []
-            for p in range(period):
-                fn: Callable[..., Any] = functools.partial(layer, p=p)
-                if policy is not None:
-                    fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
-                h, layer_stats = fn(h, {name: w[p] for name, w in weights.items()}, repeat)
-                h = self._place(h)
-                stats.append(layer_stats)
-            return h, (None if stats[0] is None else jax.tree.map(lambda *s: jnp.stack(s), *stats))
-
-        # [n_layers, ...] -> [repeats, period, ...]: a free reshape of the stacked layout.
-        grouped = {n: w.reshape(n_layers // period, period, *w.shape[1:]) for n, w in self.layers.arrays().items()}
-        repeats = jnp.arange(n_layers // period, dtype=jnp.int32)
-        x, per_layer = jax.lax.scan(body, x, (grouped, repeats))
-        # [repeats, period, ...] -> [n_layers, ...] in layer order, as one scan over layers gave.
-        per_layer = jax.tree.map(lambda a: a.reshape(n_layers, *a.shape[2:]), per_layer)
+        inputs = _LayerInputs(rope, doc_ids, routing, routing_key, positions)
+        arrays = self.layers.arrays()
+        per_run = []
+        for run in layer_runs(spec):
+            x, run_stats = self._scan_run(run, x, arrays, inputs)
+            if run_stats is not None:
+                per_run.append(run_stats)
 
         x = self._place(rms_norm(x, self.final_norm[...], spec.norm_eps, self.context is None))
-        if per_layer is None:
+        if not per_run:
             return x, None
+        # [MoE layers, ...] in depth order, as one scan over every layer would give them.
+        per_layer = jax.tree.map(lambda *a: jnp.concatenate(a), *per_run)
         stats = RoutingStats(
             load_balancing=jnp.mean(per_layer.load_balancing),
             router_z=jnp.mean(per_layer.router_z),
@@ -362,6 +340,44 @@ class OlmoModel(nnx.Module):
         )
         return x, stats
 
+    def _scan_run(
+        self, run: LayerRun, x: jax.Array, arrays: dict[str, jax.Array], inputs: _LayerInputs
+    ) -> tuple[jax.Array, RoutingStats | None]:
+        """One ``jax.lax.scan`` over ``run``'s repeats (``layer_stacks``), its ``period`` layers
+        unrolled in the body: the hidden states after it and its MoE layers' stats, stacked
+        [MoE layers of the run, ...] in depth order (None if it has none)."""
+        spec = self.spec
+        layer_types = spec.layer_types
+        assert layer_types is not None  # filled by ModelSpec._fill_layer_types
+        policy = REMAT_POLICIES[self.remat]
+
+        def layer(h, weights, repeat, p):
+            # Layer run.start + repeat * period + p: its attention kind is that of layer
+            # run.start + p (the run starts a repeat of the pattern), known at trace time.
+            index = run.start + repeat * run.period + p
+            cos, sin = inputs.rope[layer_types[run.start + p]]
+            key = None if inputs.routing_key is None else jax.random.fold_in(inputs.routing_key, index)
+            window = spec.window_of(run.start + p)
+            return self._block(h, weights, cos, sin, window, inputs, key, moe=run.moe[p])
+
+        def body(h, xs):
+            weights, repeat = xs
+            stats = []
+            for p in range(run.period):
+                fn: Callable[..., Any] = functools.partial(layer, p=p)
+                if policy is not None:
+                    fn = jax.checkpoint(fn, policy=policy, prevent_cse=False)
+                h, layer_stats = fn(h, run.layer_weights(weights, p), repeat)
+                h = self._place(h)
+                if layer_stats is not None:
+                    stats.append(layer_stats)
+            return h, (jax.tree.map(lambda *s: jnp.stack(s), *stats) if stats else None)
+
+        repeats = jnp.arange(run.repeats, dtype=jnp.int32)
+        x, per_layer = jax.lax.scan(body, x, (run.grouped(arrays), repeats))
+        # [repeats, MoE layers per repeat, ...] -> [MoE layers of the run, ...] in depth order.
+        return x, jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), per_layer)
+
     def _place(self, x: jax.Array) -> jax.Array:
         """``x`` [B, S, d_model] pinned to ``hidden_sharding`` (at every layer boundary, after the
         embedding and the final norm): without the pin, XLA's propagation could keep an FSDP
@@ -369,7 +385,7 @@ class OlmoModel(nnx.Module):
         for the matmul instead (issue 17), which grows with the device count."""
         return x if self.hidden_sharding is None else jax.lax.with_sharding_constraint(x, self.hidden_sharding)
 
-    def _block(self, x, w, cos, sin, window, doc_ids, routing, key, positions):
+    def _block(self, x, w, cos, sin, window, inputs: _LayerInputs, key, *, moe: bool):
         spec, dtype = self.spec, self.dtype
         B, S, _ = x.shape
         eps = spec.norm_eps
@@ -397,9 +413,9 @@ class OlmoModel(nnx.Module):
             q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         if self.context is not None:
-            attn = context_attention(q, k, v, window, doc_ids, positions, self.context)
+            attn = context_attention(q, k, v, window, inputs.doc_ids, inputs.positions, self.context)
         else:
-            attn = attention(q, k, v, window, doc_ids, self.attention, self.batch_shards, self.platform)
+            attn = attention(q, k, v, window, inputs.doc_ids, self.attention, self.batch_shards, self.platform)
         o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
         h = x + (o if pre_norm else norm(o, w["attn_norm"]))
         m_in = norm(h, w["mlp_norm"]) if pre_norm else h
@@ -407,17 +423,26 @@ class OlmoModel(nnx.Module):
         def finish(mlp):
             return h + (mlp if pre_norm else norm(mlp, w["mlp_norm"]))
 
-        if spec.moe is None:
+        if not moe:
             return finish(
                 swiglu_down(proj(m_in, "gate_proj"), proj(m_in, "up_proj"), w["down_proj"].astype(dtype), flat)
             ), None
+        assert spec.moe is not None  # only an MoE spec has MoE layers
         routed = ExpertWeights(w["expert_gate_proj"], w["expert_up_proj"], w["expert_down_proj"])
         shared = None
         if spec.moe.n_shared_experts:
             shared = ExpertWeights(w["shared_gate_proj"], w["shared_up_proj"], w["shared_down_proj"])
         tokens = m_in.reshape(B * S, spec.d_model)
         mlp, stats = moe_block(
-            tokens, w["router"], routed, shared, spec.moe, routing=routing, key=key, experts_fn=self.experts_fn
+            tokens,
+            w["router"],
+            routed,
+            shared,
+            spec.moe,
+            routing=inputs.routing,
+            key=key,
+            experts_fn=self.experts_fn,
+            sequence_length=S,
         )
         return finish(mlp.reshape(B, S, spec.d_model)), stats
 
