@@ -214,3 +214,19 @@ def test_an_olmoddp_train_module_checkpoint_reads_its_flat_master_weights(tmp_pa
     assert sorted(direct) == sorted(flat)
     for name, tensor in direct.items():
         assert torch.equal(flat[name], tensor), name
+
+
+def test_the_layout_of_the_olmoe3_presets_is_olmo_cores_own():
+    """Every OLMo-core name and shape olmo-convert reads and writes for olmoe3-t001, -s001 (head_dim
+    128 != d_model / n_heads) and -u001 (two dense leading blocks) is the one OLMo-core 3.0.0's
+    OLMoDDP model has: olmo_core_shapes.json was written by make_moe_fixture.py --shapes, which
+    builds each preset's model on the meta device as the OLMoE3-dev scripts configure it."""
+    import json
+
+    from olmo_tools.olmo_core_moe import olmoddp_layout
+
+    recorded = json.loads((FIXTURE / "olmo_core_shapes.json").read_text())
+    assert recorded["ai2-olmo-core"] == "3.0.0" and len(recorded["shapes"]) == 3
+    for name, theirs in recorded["shapes"].items():
+        sizes, _ = olmoddp_layout(load_spec(name))
+        assert {key: list(shape) for key, shape in sizes.items()} == theirs, name

@@ -43,13 +43,17 @@ k experts one by one, the shared expert, the norm and both residuals); the large
 recorded. ``--check-load CKPT`` proves the reverse direction: it loads an ``olmo-core:`` checkpoint
 written by ``olmo-convert`` (a ``.pt``: torch 2.13, which ai2-olmo-core 3.0.0 pins, cannot read the
 DCP metadata this workspace's newer torch writes) into a freshly built model and compares its
-forward with reference.npz, e.g.
+forward with reference.npz, recording the figure in provenance.json:
 
     uv run --frozen olmo-convert olmo-core:tools/tests/data/olmo_core_moe/model_and_optim jax:/tmp/moe-jax \
         --spec tools/tests/data/olmo_core_moe/spec.json
     uv run --frozen olmo-convert jax:/tmp/moe-jax olmo-core:/tmp/moe.pt
     /tmp/olmocore-env/bin/python tools/bench/olmo_core/make_moe_fixture.py tools/tests/data/olmo_core_moe \
         --check-load /tmp/moe.pt
+
+``--shapes SPEC.json ...`` writes olmo_core_shapes.json instead: the parameter names and shapes of
+each spec's OLMoDDP model built on the meta device (the full-size presets' JSON from
+``olmo_model.load_spec(NAME).model_dump_json()``), for the layout test.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def block_config(spec: dict, *, routed: bool) -> OLMoDDPTransformerBlockConfig:
         name=AttentionType.fused_v2,
         n_heads=spec["n_heads"],
         n_kv_heads=spec["n_kv_heads"],
+        head_dim=spec.get("head_dim"),
         bias=False,
         rope=RoPEConfig(name=RoPEType.default, theta=int(spec["rope_theta"]), full_precision=True),
         qk_norm=norm,
@@ -102,7 +107,8 @@ def block_config(spec: dict, *, routed: bool) -> OLMoDDPTransformerBlockConfig:
         ),
         dtype=dtype,
     )
-    shared_hidden = moe["shared_expert_hidden"] if routed else spec["mlp_hidden"]
+    shared_hidden = (moe["shared_expert_hidden"] or moe["expert_hidden"]) if routed else spec["mlp_hidden"]
+    has_shared = moe["n_shared_experts"] == 1 or not routed
     return OLMoDDPTransformerBlockConfig(
         name=TransformerBlockType.moe_fused_v2,
         sequence_mixer=attention,
@@ -123,23 +129,22 @@ def block_config(spec: dict, *, routed: bool) -> OLMoDDPTransformerBlockConfig:
         )
         if routed
         else None,
-        shared_experts=SharedExpertsConfig(
-            d_model=d, hidden_size=shared_hidden, num_experts=1, bias=False, dtype=dtype
-        ),
+        shared_experts=SharedExpertsConfig(d_model=d, hidden_size=shared_hidden, num_experts=1, bias=False, dtype=dtype)
+        if has_shared
+        else None,
     )
 
 
-def build(spec: dict, seed: int) -> torch.nn.Module:
-    """OLMo-core's OLMoDDP model for ``spec`` on CPU in fp32, its weights redrawn from ``seed``."""
+def build_config(spec: dict) -> OLMoDDPModelConfig:
     moe = spec["moe"]
-    assert spec["mlp_hidden"] == moe["top_k"] * moe["expert_hidden"] + moe["shared_expert_hidden"], spec
-    dense = [i for i in range(spec["n_layers"]) if i not in moe["layers"]]
-    config = OLMoDDPModelConfig(
+    assert moe["n_shared_experts"] <= 1, "more shared experts need OLMo-core's shared router, not built here"
+    dense = [i for i in range(spec["n_layers"]) if moe["layers"] is not None and i not in moe["layers"]]
+    return OLMoDDPModelConfig(
         d_model=spec["d_model"],
         vocab_size=spec["padded_vocab_size"],
         n_layers=spec["n_layers"],
         block=block_config(spec, routed=True),
-        block_overrides={i: block_config(spec, routed=False) for i in dense},
+        block_overrides={i: block_config(spec, routed=False) for i in dense} or None,
         lm_head=LMHeadConfig(
             layer_norm=LayerNormConfig(name=LayerNormType.rms, eps=spec["norm_eps"], bias=False, dtype=DType.float32),
             bias=False,
@@ -148,8 +153,12 @@ def build(spec: dict, seed: int) -> torch.nn.Module:
         name=TransformerType.moe_fused_v2,
         dtype=DType.float32,
     )
+
+
+def build(spec: dict, seed: int) -> torch.nn.Module:
+    """OLMo-core's OLMoDDP model for ``spec`` on CPU in fp32, its weights redrawn from ``seed``."""
     torch.manual_seed(seed)
-    model = config.build(init_device="cpu")
+    model = build_config(spec).build(init_device="cpu")
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -284,12 +293,29 @@ def check_load(ckpt: Path, fixture: Path, spec: dict, seed: int) -> None:
     (fixture / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
+def write_shapes(specs: list[Path], out: Path) -> None:
+    """OLMo-core's parameter names and shapes of each spec's OLMoDDP model (built on the meta device,
+    so a full-size preset costs nothing) as JSON: spec name -> {name: shape}."""
+    shapes = {}
+    for path in specs:
+        spec = json.loads(path.read_text())
+        model = build_config(spec).build(init_device="meta")
+        shapes[spec["name"]] = {name: list(p.shape) for name, p in model.named_parameters()}
+    command = "python tools/bench/olmo_core/make_moe_fixture.py " + " ".join(sys.argv[1:])
+    out.write_text(json.dumps({"ai2-olmo-core": version("ai2-olmo-core"), "command": command, "shapes": shapes}) + "\n")
+    print(f"wrote {out}: {', '.join(f'{k} ({len(v)} tensors)' for k, v in shapes.items())}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="fixture folder holding spec.json")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-load", type=Path, help="an olmo-core: DCP to load and compare instead of writing")
+    parser.add_argument("--shapes", type=Path, nargs="+", help="spec JSON files: write OLMo-core's shapes instead")
     args = parser.parse_args()
+    if args.shapes:
+        write_shapes(args.shapes, args.dir / "olmo_core_shapes.json")
+        return
     spec = json.loads((args.dir / "spec.json").read_text())
     if args.check_load is not None:
         check_load(args.check_load, args.dir, spec, args.seed)
