@@ -92,11 +92,7 @@ def grouped_swiglu(
     ragged_dot as a dense contraction over all E groups, cost ~ N x E; tiles cost ~ N + E x
     tile); ``mgpu``, JAX's Hopper grouped-GEMM kernels (XLA:GPU's ragged_dot is dense too).
     ``device``: the device ``auto`` chooses for (None: ``jax.devices()[0]``)."""
-    dtype = xs.dtype
-    gate, up, down = (t.astype(dtype) for t in w)
-    if mxfp8:
-        # Kernels are (in, out): the reduction axis is -2 of the weights, -1 of the rows.
-        xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
+    xs, (gate, up, down) = _operands(xs, w, mxfp8)
     backend = gemm_backend(xs.dtype, xs.shape[1], gate.shape[2], device) if gemm == "auto" else gemm
     if backend == "tiled":
         return tiled_swiglu(xs, ExpertWeights(gate, up, down), group_sizes, mxfp8=mxfp8)
@@ -105,6 +101,23 @@ def grouped_swiglu(
     if backend != "ragged":
         raise ValueError(f"gemm='{gemm}' is unknown; use one of: {', '.join(GEMM_BACKENDS)}")
     return _swiglu(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), xs, ExpertWeights(gate, up, down), mxfp8)
+
+
+def _operands(xs: jax.Array, w: ExpertWeights, mxfp8: bool) -> tuple[jax.Array, ExpertWeights]:
+    """The rows and the weights in the rows' dtype, both MXFP8-rounded when ``mxfp8``."""
+    gate, up, down = (t.astype(xs.dtype) for t in w)
+    if mxfp8:
+        # Kernels are (in, out): the reduction axis is -2 of the weights, -1 of the rows.
+        xs, gate, up, down = _mx(xs, -1), _mx(gate, -2), _mx(up, -2), _mx(down, -2)
+    return xs, ExpertWeights(gate, up, down)
+
+
+def batched_swiglu(xs: jax.Array, w: ExpertWeights, *, mxfp8: bool = False) -> jax.Array:
+    """Equal groups: ``xs`` [E, rows, d], expert e's rows in ``xs[e]`` (the capacity layout,
+    ``capacity``) -> SwiGLU outputs [E, rows, d], three matmuls batched over experts (no ragged
+    GEMM: every group has the same static size). Zero rows (empty capacity slots) give zero."""
+    xs, weights = _operands(xs, w, mxfp8)
+    return _swiglu(lambda a, b: jnp.einsum("eri,eio->ero", a, b), xs, weights, mxfp8)
 
 
 # ---- grouped GEMM backends -------------------------------------------------------------------

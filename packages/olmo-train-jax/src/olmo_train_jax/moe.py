@@ -15,6 +15,9 @@ Maths (the contract shared with the Torch trainer and ``olmo_model.reference``):
   (``grouped_gemm.grouped_swiglu``): ``jax.lax.ragged_dot`` on TPU, JAX's Hopper Mosaic GPU kernels on
   H100/H200 (XLA:GPU lowers ragged_dot densely over all groups), and on CPU (dense there
   too) the rows padded into one-expert tiles with the matmuls batched over tiles;
+- with a capacity factor (``olmo_model.moe``'s rule, per (sequence, expert); ``capacity``):
+  the kept assignments fill a static buffer of E x B x C rows run as one batched SwiGLU,
+  a dropped assignment adds nothing, and ``RoutingStats.dropped`` counts it;
 - aux losses of a layer over the tokens it is given, which in the jitted global view is the
   whole global micro-batch whatever the device count: load balancing
   ``E * sum_e f_e P_e`` (f_e: share of the T*k assignments that went to e, P_e: mean
@@ -37,8 +40,7 @@ experts on this device, or under plain data parallelism the global view), or
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -48,12 +50,19 @@ from olmo_model import MoESpec
 from olmo_model.moe import aux_loss as weighted_aux_loss
 from olmo_model.moe import check_routing, moe_train_metrics
 
+from .capacity import local_buffer, routed_with_capacity
 from .grouped_gemm import ExpertWeights, grouped_swiglu
 from .layers import linear, swiglu_down
 
-# (tokens [T, d], experts [T, k] int32, weights [T, k] float32, expert weights)
-#   -> (routed output [T, d] in the tokens' dtype, assignments computed: int32 scalar)
-ExpertsFn = Callable[[jax.Array, jax.Array, jax.Array, ExpertWeights], tuple[jax.Array, jax.Array]]
+
+class ExpertsFn(Protocol):
+    """(tokens [T, d], experts [T, k] int32, weights [T, k] float32, expert weights; the tokens
+    are sequences of ``sequence_length``, None: one sequence) -> (routed output [T, d] in the
+    tokens' dtype, assignments computed: int32 scalar)."""
+
+    def __call__(
+        self, x: jax.Array, experts: jax.Array, weights: jax.Array, w: ExpertWeights, *, sequence_length: int | None
+    ) -> tuple[jax.Array, jax.Array]: ...
 
 
 class RoutingStats(NamedTuple):
@@ -63,7 +72,7 @@ class RoutingStats(NamedTuple):
     load_balancing: jax.Array  # [] float32, E * sum_e f_e P_e
     router_z: jax.Array  # [] float32, mean over tokens of logsumexp(router logits)^2
     tokens_per_expert: jax.Array  # [E] int32, (token, slot) assignments per expert
-    dropped: jax.Array  # [] int32, assignments not computed; 0 by construction (dropless)
+    dropped: jax.Array  # [] int32, assignments the capacity rule dropped (0 when dropless)
 
 
 def row_sum(x: jax.Array) -> jax.Array:
@@ -175,15 +184,23 @@ def local_experts(
     weights: jax.Array,
     w: ExpertWeights,
     *,
+    sequence_length: int | None = None,
+    capacity_factor: float | None = None,
     mxfp8: bool = False,
     gemm: str = "auto",
     device: jax.Device | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The routed part with every expert on this device (an ``ExpertsFn`` as it stands;
     ``functools.partial(local_experts, mxfp8=True)`` for the MXFP8 emulation, ``gemm=`` to
-    force a grouped GEMM backend, ``device=`` the device ``auto`` chooses it for)."""
+    force a grouped GEMM backend, ``device=`` the device ``auto`` chooses it for,
+    ``capacity_factor=`` for ``olmo_model.moe``'s capacity rule, ``capacity``; None: dropless)."""
     n_experts = w.gate.shape[0]
     k = experts.shape[-1]
+    if capacity_factor is not None:
+        run = local_buffer(w, mxfp8)
+        s = x.shape[0] if sequence_length is None else sequence_length
+        ys, kept = routed_with_capacity(x, experts, n_experts, s, capacity_factor, run)
+        return combine(ys, weights), kept
     order, sizes = sort_by_expert(experts.reshape(-1), n_experts)
     ys_sorted = grouped_swiglu(x[order // k], w, sizes, mxfp8=mxfp8, gemm=gemm, device=device)
     ys = jnp.zeros_like(ys_sorted).at[order].set(ys_sorted)
@@ -200,10 +217,13 @@ def moe_block(
     routing: str = "learned",
     key: jax.Array | None = None,
     experts_fn: ExpertsFn = local_experts,
+    sequence_length: int | None = None,
 ) -> tuple[jax.Array, RoutingStats]:
     """One MoE feed-forward block on tokens ``x`` [T, d] (compute dtype) -> (output [T, d],
     RoutingStats). ``router`` [d, E]; ``shared`` holds the shared experts concatenated along
-    their hidden axis (gate/up [d, S*hidden], down [S*hidden, d]), or None."""
+    their hidden axis (gate/up [d, S*hidden], down [S*hidden, d]), or None;
+    ``sequence_length``: the tokens are sequences of that many (the capacity rule's unit;
+    None: one sequence)."""
     learned = routing == "learned"
     router_in = x if learned else jax.lax.stop_gradient(x)
     router_w = router if learned else jax.lax.stop_gradient(router)
@@ -211,7 +231,7 @@ def moe_block(
     # passes under bf16 compute), since a top-k choice is sensitive to their last bits.
     logits = jnp.dot(router_in.astype(jnp.float32), router_w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
     experts, weights, probs = route(logits, moe, routing, key)
-    out, computed = experts_fn(x, experts, weights, routed)
+    out, computed = experts_fn(x, experts, weights, routed, sequence_length=sequence_length)
     if shared is not None:
         dtype = x.dtype
         # The dense MLP's layers (layers.py): the backward keeps g and u, not six [T, hidden].

@@ -335,7 +335,9 @@ def for_mesh(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh: jax.shardi
     model.hidden_sharding = NamedSharding(mesh, parallelize.hidden_spec(mesh))
     model.context = parallelize.build_context(mesh, spec)  # sequence split over the context axis
     if spec.moe is not None:
-        apply_expert_parallel(model, mesh, mxfp8=recipe.moe.mxfp8, gemm=recipe.jax.moe_gemm)
+        apply_expert_parallel(
+            model, mesh, mxfp8=recipe.moe.mxfp8, gemm=recipe.jax.moe_gemm, capacity_factor=recipe.moe.capacity_factor
+        )
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     tx = make_optimizer(params, recipe)
