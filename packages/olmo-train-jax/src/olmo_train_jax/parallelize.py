@@ -2,7 +2,9 @@
 
 The mesh has named axes (``recipe.jax.mesh``; one of them may be -1 = the devices left):
 
-- ``data``: plain data parallelism; parameters are replicated over it;
+- ``data``: plain data parallelism; parameters are replicated over it, and so is their AdamW
+  state unless ``optim.sharded`` splits each tensor's moments over it (and over ``expert`` for
+  the dense weights, which that axis replicates too: ``state_shardings``);
 - ``fsdp``: data parallelism with fully sharded parameters and optimizer state (ZeRO-3): each
   weight is split along its largest axis that the fsdp size divides; the stacked-layer axis is
   never split, because ``lax.scan`` slices it and a split there would gather per layer anyway;
@@ -70,6 +72,7 @@ from olmo_run.recipe import Recipe, RecipeError
 from .context_parallel import ContextParallel
 from .expert_parallel import EXPERT_AXIS, TOKEN_AXES, expert_partition_spec
 from .grouped_gemm import check_gemm
+from .sharded_optimizer import over_data
 
 CONTEXT_AXIS = "context"
 # In mesh order; the expert and context axes are present only when the recipe asks for more than
@@ -403,10 +406,12 @@ def param_shardings(params: dict, spec: ModelSpec, mesh: Mesh) -> dict:
     )
 
 
-def state_shardings(state: Any, params_sharding: dict, mesh: Mesh) -> Any:
+def state_shardings(state: Any, params_sharding: dict, mesh: Mesh, *, shard_over_data: bool = False) -> Any:
     """Shardings for a tree that embeds copies of the parameter tree (AdamW's mu and nu): a
-    leaf whose path ends with a parameter's path gets that parameter's sharding; scalars
-    (the step count, hyperparameters) are replicated."""
+    leaf whose path ends with a parameter's path gets that parameter's sharding, split over the
+    data-parallel axes too with ``shard_over_data`` (``optim.sharded``: each data-parallel rank
+    keeps its block of the moments, and XLA all-gathers the update into the replicated
+    parameters; ``over_data``); scalars (the step count, hyperparameters) are replicated."""
     by_path = {path: s for path, s in tree_paths(params_sharding)}
     replicated = NamedSharding(mesh, P())
 
@@ -416,7 +421,8 @@ def state_shardings(state: Any, params_sharding: dict, mesh: Mesh) -> Any:
             return replicated
         for n in range(len(names)):
             if names[n:] in by_path:
-                return by_path[names[n:]]
+                spec = by_path[names[n:]].spec
+                return NamedSharding(mesh, over_data(spec, tuple(leaf.shape), mesh) if shard_over_data else spec)
         raise ValueError(f"optimizer state leaf {'/'.join(names)} matches no parameter; cannot place it")
 
     return jax.tree_util.tree_map_with_path(pick, state)

@@ -343,7 +343,7 @@ def for_mesh(model: OlmoModel, spec: ModelSpec, recipe: Recipe, mesh: jax.shardi
     tx = make_optimizer(params, recipe)
     params_sh = parallelize.param_shardings(params, spec, mesh)
     abstract_opt = jax.eval_shape(tx.init, params)
-    opt_sh = parallelize.state_shardings(abstract_opt, params_sh, mesh)
+    opt_sh = parallelize.state_shardings(abstract_opt, params_sh, mesh, shard_over_data=recipe.optim.sharded)
     return MeshModel(graphdef, params, tx, params_sh, abstract_opt, opt_sh)
 
 
