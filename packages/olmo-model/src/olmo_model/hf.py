@@ -27,6 +27,12 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
             f"hf_config: norm_placement='{spec.norm_placement}' cannot be expressed by Olmo3ForCausalLM "
             "(its blocks normalise the sublayer outputs); use norm_placement='reordered'"
         )
+    if spec.embedding_norm or spec.embedding_scale is not None:
+        raise SpecError(
+            f"hf_config: embedding_norm={spec.embedding_norm}, embedding_scale={spec.embedding_scale} cannot be "
+            "expressed by Olmo3ForCausalLM (its embedding output goes to the first layer as is); "
+            "use embedding_norm: false and embedding_scale: null"
+        )
     if spec.qk_norm != "full":
         raise SpecError(
             f"hf_config: qk_norm='{spec.qk_norm}' cannot be expressed by Olmo3ForCausalLM "
@@ -55,6 +61,7 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
         "num_hidden_layers": spec.n_layers,
         "num_attention_heads": spec.n_heads,
         "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,  # transformers' Olmo3 honours it; OLMoE3 s001+ differ from d_model / heads
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "initializer_range": spec.init_std,
@@ -112,9 +119,6 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         raise SpecError(f"{source}: tie_word_embeddings=true, but Olmo 3 has an untied output head")
     if cfg.get("hidden_act", "silu") != "silu":
         raise SpecError(f"{source}: hidden_act '{cfg['hidden_act']}' is not silu (SwiGLU)")
-    head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
-        raise SpecError(f"{source}: head_dim={head_dim} differs from hidden_size/num_attention_heads")
     theta, yarn = _rope_from_hf(cfg, source)
     padded = cfg["vocab_size"]
     eos = cfg.get("eos_token_id")
@@ -126,6 +130,7 @@ def spec_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
         "n_layers": cfg["num_hidden_layers"],
         "n_heads": cfg["num_attention_heads"],
         "n_kv_heads": cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        "head_dim": cfg.get("head_dim"),  # None: hidden_size / num_attention_heads
         "mlp_hidden": cfg["intermediate_size"],
         "vocab_size": cfg.get("olmo_vocab_size", padded),
         "padded_vocab_size": padded,
@@ -156,8 +161,13 @@ def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     Linear weights are (out_features, in_features) as torch.nn.Linear stores them."""
     d = spec.d_model
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.padded_vocab_size, d)}
+    if spec.embedding_norm:
+        shapes["model.embed_norm.weight"] = (d,)
+    peri = spec.norm_placement == "peri"
     for i in range(spec.n_layers):
         p = f"model.layers.{i}."
+        if peri:
+            shapes[p + "input_layernorm.weight"] = (d,)
         shapes[p + "self_attn.q_proj.weight"] = (spec.q_width, d)
         shapes[p + "self_attn.k_proj.weight"] = (spec.kv_width, d)
         shapes[p + "self_attn.v_proj.weight"] = (spec.kv_width, d)
@@ -169,6 +179,8 @@ def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (spec.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (spec.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if peri:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
         if spec.is_moe_layer(i):
             moe = spec.moe
             assert moe is not None
