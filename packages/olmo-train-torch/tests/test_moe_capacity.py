@@ -178,25 +178,41 @@ def test_dropped_count_reaches_the_train_line():
 # ---- expert parallelism ----------------------------------------------------------------------------
 
 
-def _fake_pg_worker() -> None:
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _no_host_reads(monkeypatch) -> None:
+    """Every way a tensor reaches the host raises from here on (the test's monkeypatch undoes it)."""
+    for name in HOST_READS:
+
+        def trapped(self, *args, name=name, **kwargs):
+            raise AssertionError(f"host read: Tensor.{name}")
+
+        monkeypatch.setattr(torch.Tensor, name, trapped)
+
+
+def test_capacity_path_reads_nothing_to_the_host_and_runs_under_a_fake_process_group(monkeypatch):
+    """Forward, routing statistics and backward with a capacity factor, locally and with EP 2 under
+    the dry run's fake process group (its all-to-all outputs are garbage, so no shape may depend on
+    them), with every tensor-to-host call trapped."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
-        block, x = _block()
-        configure_moe(block, capacity_factor=1.25)
-        apply_expert_parallel(block, dist.group.WORLD)
-        out, stats = block(x)
-        out.sum().backward()
-        assert out.shape == x.shape and block.experts.gate_proj.grad.shape == (4, 16, D)
+        for ep in (False, True):
+            block, x = _block()
+            configure_moe(block, capacity_factor=1.25)
+            if ep:
+                apply_expert_parallel(block, dist.group.WORLD)
+            with monkeypatch.context() as m:
+                _no_host_reads(m)
+                out, stats = block(x)
+                aux = routing_stats([stats], group=dist.group.WORLD if ep else None)
+                (out.sum() + aux.load_balancing).backward()
+            assert out.shape == x.shape
+            assert block.experts.gate_proj.grad.shape == ((4 if ep else 8), 16, D)
     finally:
         dist.destroy_process_group()
-
-
-def test_capacity_path_runs_under_a_fake_process_group():
-    """The dry run's backend: all-to-all outputs are garbage there, so shapes must not depend on
-    them. Forward and backward of an EP 2 block complete."""
-    _fake_pg_worker()
 
 
 def _ep_worker(rank: int, port: int, want: dict) -> None:
