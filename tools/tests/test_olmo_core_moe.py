@@ -154,7 +154,9 @@ def test_a_bad_olmo_core_moe_checkpoint_is_one_line_naming_the_tensor(tmp_path, 
 def test_hf_export_of_an_olmo_core_moe_spec_is_refused_with_the_reason(tmp_path, capsys):
     assert main([f"olmo-core:{CKPT}", f"hf:{tmp_path / 'hf'}", "--spec", str(SPEC)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "norm_placement='reordered' cannot be expressed by OlmoeForCausalLM" in err
+    # The reason is olmoe_config's first refusal (norm placement, shared expert, dense layers, ...).
+    assert "\n" not in err and "spec 'olmoe3-fixture' is MoE and hf: holds the dense Olmo3 layout (olmoe_config:" in err
+    assert "cannot be expressed by OlmoeForCausalLM" in err and "convert to olmo-core:, torch: or jax:" in err
     assert not (tmp_path / "hf").exists()
 
 
@@ -230,3 +232,29 @@ def test_the_layout_of_the_olmoe3_presets_is_olmo_cores_own():
     for name, theirs in recorded["shapes"].items():
         sizes, _ = olmoddp_layout(load_spec(name))
         assert {key: list(shape) for key, shape in sizes.items()} == theirs, name
+
+
+OLDER = Path(__file__).parent / "data" / "olmo_core_moe_reordered"
+
+
+@pytest.mark.parametrize("impl", ["torch", "jax"])
+def test_the_older_moe_reordered_norm_model_gives_olmo_cores_logits(impl):
+    """OLMo-core's older MoE block (moe_reordered_norm: DroplessMoE experts w1 / w2 / w3 [E * H, d],
+    router [E * d], default attention's w_q / w_k / w_v, a dense first block), written by OLMo-core
+    3.0.0 (make_moe_reordered_fixture.py: its forward with the two Triton permutation kernels replaced
+    by CPU equivalents, checked per token there), read by olmo-parity's olmo-core: side: within the
+    same 1e-5 (measured torch 0, JAX 5.8e-6)."""
+    ref = np.load(OLDER / "reference.npz")
+    side = load_side(f"olmo-core:{OLDER / 'model_and_optim'}", impl, "float32", str(OLDER / "spec.json"))
+    np.testing.assert_allclose(side.logits(ref["tokens"]), ref["logits"], atol=BOUND, rtol=0)
+
+
+def test_the_older_model_with_a_restored_weight_scale_spec_is_one_line(tmp_path, capsys):
+    spec = load_spec(OLDER / "spec.json")
+    assert spec.moe is not None
+    scaled = spec.replace(moe=spec.moe.model_copy(update={"restore_weight_scale": True}))
+    (tmp_path / "spec.json").write_text(scaled.model_dump_json())
+    args = [f"olmo-core:{OLDER / 'model_and_optim'}", f"jax:{tmp_path / 'out'}", "--spec", str(tmp_path / "spec.json")]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "an OLMo-core moe_reordered_norm checkpoint, which has no restored weight scale" in err

@@ -8,7 +8,9 @@ tokens (tools/tests/test_olmo_core_moe.py reads it). Runs inside an isolated OLM
 
 DIR holds spec.json (``olmo_model.ModelSpec`` JSON: GQA, per-head QK-norm, window 32 on layers 0-1,
 a dense first layer, top-2 of 8 experts with the k weights renormalised and scaled back by k, one
-shared expert, vocab 256). The model is built the way OLMoE3-dev-t001.py builds its own: an
+shared expert, vocab 256). The model is built the way OLMoE3-dev-t001.py builds its own (with
+``use_peri_norm``, ``embed_scale`` and ``embedding_norm`` when the spec's norm_placement is "peri",
+embedding_scale is set or embedding_norm is true): an
 ``OLMoDDPModelConfig`` with ``fused_v2`` attention (packed ``w_qkv``), ``use_head_qk_norm``, an
 ``OLMoDDPTransformerBlockConfig`` with routed experts, a softmax ``MoERouterConfigV2`` with
 ``normalize_expert_weights=1.0`` and ``restore_weight_scale=True``, one shared expert (no shared
@@ -111,6 +113,8 @@ def block_config(spec: dict, *, routed: bool) -> OLMoDDPTransformerBlockConfig:
     has_shared = moe["n_shared_experts"] == 1 or not routed
     return OLMoDDPTransformerBlockConfig(
         name=TransformerBlockType.moe_fused_v2,
+        use_peri_norm=spec.get("norm_placement") == "peri",
+        use_pre_norm=spec.get("norm_placement") == "pre",
         sequence_mixer=attention,
         layer_norm=norm,
         routed_experts=RoutedExpertsConfig(
@@ -151,6 +155,10 @@ def build_config(spec: dict) -> OLMoDDPModelConfig:
             dtype=DType.float32,
         ),
         name=TransformerType.moe_fused_v2,
+        embed_scale=spec.get("embedding_scale"),
+        embedding_norm=LayerNormConfig(name=LayerNormType.rms, eps=spec["norm_eps"], bias=False, dtype=DType.float32)
+        if spec.get("embedding_norm")
+        else None,
         dtype=DType.float32,
     )
 
@@ -236,16 +244,20 @@ def swiglu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor, down: torch.Te
 
 
 def block_by_hand(block, x: torch.Tensor, spec: dict) -> torch.Tensor:
-    """One block's output recomputed from its state dict: reordered norms, the router, each token
-    through its k experts one at a time, the shared expert added without a weight."""
+    """One block's output recomputed from its state dict: reordered norms (and the input norms of a
+    peri-norm block), the router, each token through its k experts one at a time, the shared expert
+    added without a weight."""
     sd, eps, moe = block.state_dict(), spec["norm_eps"], spec["moe"]
-    h = x + rms_norm(block.attention(x), sd["attention_norm.weight"], eps)
+    peri = spec.get("norm_placement") == "peri"  # input norms on both sublayers as well (use_peri_norm)
+    attn_in = rms_norm(x, sd["attention_input_norm.weight"], eps) if peri else x
+    h = x + rms_norm(block.attention(attn_in), sd["attention_norm.weight"], eps)
+    mlp_in = rms_norm(h, sd["feed_forward_input_norm.weight"], eps) if peri else h
     hs = sd["shared_experts.w_up_gate"].shape[1] // 2
     shared_up, shared_gate = sd["shared_experts.w_up_gate"][:, :hs], sd["shared_experts.w_up_gate"][:, hs:]
     out = torch.empty_like(h)
     for b in range(h.shape[0]):
         for t in range(h.shape[1]):
-            tok = h[b, t]
+            tok = mlp_in[b, t]
             y = swiglu(tok, shared_up, shared_gate, sd["shared_experts.w_down"][0])
             if "routed_experts_router.weight" in sd:
                 n_exp, k, eh = moe["n_experts"], moe["top_k"], moe["expert_hidden"]

@@ -43,7 +43,7 @@ from olmo_run.checkpoints import pid_alive
 from .checkpoint import KINDS, Checkpoint, CheckpointError, Location, checked_tensor, resolve_spec, validate
 from .dcp import DCP_METADATA, DCPDir, load_torch_file, save_dcp
 from .native import JaxCheckpoint, TorchCheckpoint
-from .olmo_core_moe import Piece, check_stored, olmoddp_layout, olmoddp_state, stores_fused_qkv
+from .olmo_core_moe import Piece, check_stored, olmoddp_layout, olmoddp_state, stores_fused_qkv, stores_older_moe
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -300,7 +300,7 @@ class OlmoCoreCheckpoint(Checkpoint):
         if self.spec.moe is not None:
             self._init_moe(keys, shapes)
             return
-        if any(".routed_experts." in k or ".shared_experts." in k for k in keys):
+        if any(".routed_experts." in k or ".shared_experts." in k or ".feed_forward_moe." in k for k in keys):
             raise CheckpointError(
                 f"{self.origin}: an OLMo-core MoE (OLMoDDP) checkpoint, but spec '{self.spec.name}' is dense; "
                 "pass --spec with the moe section the checkpoint was trained with"
@@ -313,7 +313,7 @@ class OlmoCoreCheckpoint(Checkpoint):
 
     def _init_moe(self, keys: dict[str, str], shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
         """The OLMoDDP layout: every OLMo-core tensor checked, then our names cut from them."""
-        sizes, _ = olmoddp_layout(self.spec, fused_qkv=stores_fused_qkv(keys))
+        sizes, _ = olmoddp_layout(self.spec, fused_qkv=stores_fused_qkv(keys), older=stores_older_moe(keys))
         stored = {k: shape for k, (shape, _) in shapes.items()}
         for key, full in keys.items():
             want = sizes.get(key)

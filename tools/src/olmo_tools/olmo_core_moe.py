@@ -19,6 +19,10 @@ a shared expert of hidden H_s:
   tensors hold our dense MLP (``mlp_hidden`` = top_k x H + H_s in the OLMoE3 scripts);
 - ``embeddings.weight``, ``lm_head.norm.weight``, ``lm_head.w_out.weight``.
 
+OLMo-core's older MoE model (``moe_reordered_norm`` blocks, ``nn/moe/{moe,mlp,router}.py``) is read
+too: ``feed_forward_moe.router.weight`` [E * d], ``feed_forward_moe.experts.mlp.w1`` (gate), ``w3``
+(up) and ``w2`` (down, used as ``h @ w2[e]``), each [E * H, d]; dense blocks' ``feed_forward.w1/w2/w3``.
+
 Each of our tensors is a slice, a transpose or a reshape of one OLMo-core tensor, and each
 OLMo-core tensor a concatenation of ours, so a round trip is bitwise. Only one shared expert
 without a shared router, no biases and no latent projections are mapped: the forms the OLMoE3
@@ -103,9 +107,41 @@ def _ffn_pieces(spec: ModelSpec, i: int, p: str, sizes: dict[str, Shape]) -> dic
     return out
 
 
-def olmoddp_layout(spec: ModelSpec, fused_qkv: bool = True) -> tuple[dict[str, Shape], dict[str, Piece]]:
+def _older_ffn_pieces(spec: ModelSpec, i: int, p: str, sizes: dict[str, Shape]) -> dict[str, Piece]:
+    """Layer i's feed-forward in OLMo-core's older ``moe_reordered_norm`` model: a ``DroplessMoE``
+    (router [E * d], experts' w1 gate / w3 up / w2 down each [E * H, d]) or a dense ``FeedForward``."""
+    d, moe, b, out = spec.d_model, spec.moe, f"blocks.{i}.", {}
+    assert moe is not None
+    if not spec.is_moe_layer(i):
+        dense = {"w1": ("gate_proj", (spec.mlp_hidden, d)), "w2": ("down_proj", (d, spec.mlp_hidden))}
+        dense["w3"] = ("up_proj", (spec.mlp_hidden, d))
+        for theirs, (ours, shape) in dense.items():
+            sizes[b + f"feed_forward.{theirs}.weight"] = shape
+            out[p + f"mlp.{ours}.weight"] = Piece(b + f"feed_forward.{theirs}.weight", lambda t: t)
+        return out
+    n_exp, hid, m = moe.n_experts, moe.expert_hidden, b + "feed_forward_moe."
+    sizes[m + "router.weight"] = (n_exp * d,)
+    out[p + "mlp.gate.weight"] = Piece(m + "router.weight", lambda t: t.view(n_exp, d))
+    for theirs in ("w1", "w2", "w3"):
+        sizes[m + f"experts.mlp.{theirs}"] = (n_exp * hid, d)
+    for e in range(n_exp):
+        rows = (e * hid, (e + 1) * hid)
+        out[p + f"mlp.experts.{e}.gate_proj.weight"] = Piece(m + "experts.mlp.w1", _rows(*rows))
+        out[p + f"mlp.experts.{e}.up_proj.weight"] = Piece(m + "experts.mlp.w3", _rows(*rows))
+        out[p + f"mlp.experts.{e}.down_proj.weight"] = Piece(m + "experts.mlp.w2", _columns_t_of_rows(*rows))
+    return out
+
+
+def _columns_t_of_rows(begin: int, end: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: t[begin:end].T
+
+
+def olmoddp_layout(
+    spec: ModelSpec, fused_qkv: bool = True, older: bool = False
+) -> tuple[dict[str, Shape], dict[str, Piece]]:
     """(OLMo-core key -> shape, our interchange name -> Piece) of an OLMoDDP model of ``spec``;
-    ``fused_qkv`` False: the ``default`` attention's separate w_q / w_k / w_v."""
+    ``fused_qkv`` False: the ``default`` attention's separate w_q / w_k / w_v; ``older``: the
+    feed-forwards of OLMo-core's older ``moe_reordered_norm`` model (read only)."""
     d, q, kv = spec.d_model, spec.q_width, spec.kv_width
     norm = (spec.head_dim,) if spec.qk_norm == "per_head" else None
     sizes: dict[str, Shape] = {"embeddings.weight": (spec.padded_vocab_size, d)}
@@ -129,7 +165,7 @@ def olmoddp_layout(spec: ModelSpec, fused_qkv: bool = True) -> tuple[dict[str, S
         for ours, (theirs, shape) in own.items():
             sizes[b + theirs + ".weight"] = shape
             pieces[p + ours + ".weight"] = Piece(b + theirs + ".weight", lambda t: t)
-        pieces.update(_ffn_pieces(spec, i, p, sizes))
+        pieces.update((_older_ffn_pieces if older else _ffn_pieces)(spec, i, p, sizes))
     sizes["lm_head.norm.weight"] = (d,)
     sizes["lm_head.w_out.weight"] = (spec.padded_vocab_size, d)
     pieces["model.norm.weight"] = Piece("lm_head.norm.weight", lambda t: t)
@@ -142,11 +178,23 @@ def stores_fused_qkv(keys) -> bool:
     return not any(k.endswith("attention.w_q.weight") for k in keys)
 
 
+def stores_older_moe(keys) -> bool:
+    """Whether OLMo-core keys hold the older ``moe_reordered_norm`` model (``feed_forward_moe.*``)."""
+    return any(".feed_forward_moe." in k for k in keys)
+
+
 def check_stored(spec: ModelSpec, stored: Mapping[str, Shape], origin: str) -> tuple[dict[str, Shape], dict]:
     """The layout of ``spec`` that ``stored`` (OLMo-core key -> shape) holds, after checking every
     key and shape: the first missing, misshapen or unexpected tensor is a one-line error."""
     check_expressible(spec, origin)
-    sizes, pieces = olmoddp_layout(spec, fused_qkv=stores_fused_qkv(stored))
+    older = stores_older_moe(stored)
+    if older and spec.moe is not None and (spec.moe.n_shared_experts or spec.moe.restore_weight_scale):
+        raise CheckpointError(
+            f"{origin}: an OLMo-core moe_reordered_norm checkpoint, which has no restored weight scale and mixes "
+            "a shared MLP as shared / (k + 1) + routed x k / (k + 1); the spec cannot express either: use a spec "
+            "with moe.n_shared_experts 0 and restore_weight_scale false"
+        )
+    sizes, pieces = olmoddp_layout(spec, fused_qkv=stores_fused_qkv(stored), older=older)
     for key, shape in sizes.items():
         if key not in stored:
             raise CheckpointError(
