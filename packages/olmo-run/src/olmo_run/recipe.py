@@ -119,8 +119,8 @@ class MoESection(_Section):
 
     routing: Literal["learned", "random", "uniform"] = "learned"  # random/uniform: systems benchmarks
     mxfp8: bool = False  # emulated MXFP8 (e4m3 + e8m0 per 32) for the expert GEMMs
-    # Rows an expert-parallel rank takes per expert: ceil(factor x its routed rows / experts);
-    # over-capacity rows are dropped in a fixed order (olmo_model.moe). null: dropless.
+    # Assignments one sequence sends to one expert: min(S, ceil(factor x S x top_k / experts));
+    # the later tokens' are dropped (olmo_model.moe.capacity_keep), the same in every layout. null: dropless.
     capacity_factor: float | None = Field(None, gt=0)
 
 
