@@ -13,6 +13,10 @@ checkpoint, ``RUN/checkpoints/latest`` or a run dir, local or on ``gs://`` / ``s
     uv run --frozen olmo-convert jax:runs/a hf:out/a        # a JAX run's latest checkpoint, with its tokenizer
     uv run --frozen olmo-convert hf:out/olmo3-1b jax:out/olmo3-1b-jax
 
+With an MoE spec, olmo-core: is OLMo-core 3's OLMoDDP MoE model (olmo_tools.olmo_core_moe; its older
+moe_reordered_norm model is read too), torch: and jax: hold our MoE models, and hf: is refused with
+the reason (transformers has no model for these blocks; tools/README.md says what exports where).
+
 An hf: export also gets the tokenizer (``--tokenizer``, a trainer checkpoint's mixture, or an hf:
 source's) and generation_config.json (olmo_tools.hf_tokenizer). Every tensor is checked against
 the spec before anything is written; the result is built in a temporary sibling of DST and renamed
