@@ -118,7 +118,10 @@ def test_torch_mixed_forward_matches_reference_and_round_trips(name):
         np.testing.assert_array_equal(back[n].numpy(), params[n], err_msg=n)
 
 
-@pytest.mark.parametrize("name", list(MIXED))
+# Two runs (OLMo-core's shape) and three with rows offset in both stacks; the one-run mixed
+# repeat of dense-first is checked against the reference forward in both trainers above and in
+# test_mixed_stacks.py (each JAX gradient compile costs ~10 s on two cores).
+@pytest.mark.parametrize("name", ["dense-first-global", "dense-middle"])
 def test_jax_and_torch_agree_on_mixed_stacks(name):
     """The twins on the same weights and tokens: the same experts chosen (token counts equal);
     logits within 1e-5 (each model is within 6.2e-7 of the float64 reference,
