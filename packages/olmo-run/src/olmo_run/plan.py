@@ -17,10 +17,12 @@ Memory model (per device, bytes):
   (``_expert_shard``: JAX over expert x fsdp, the expert axis carrying data like ``data``;
   torch over ``torch.expert_parallel`` only, its experts never FSDP-sharded nor gathered);
 - gathered weights: bf16 copies of two blocks (the one computing and the one prefetched);
-- activations per micro-batch, bf16, counted per tensor a block keeps for backward:
-  no remat: x, q/k/v before and after norm/RoPE, attention out, o out, norms, gate, up, silu,
-  product, down out (6d + 3q + 4kv + 4ff values per token per layer); "save_dots": only the matmul
-  outputs (q + 2kv + 2d + 2ff); "block": only the block input (d), plus one block recomputed;
+- activations per micro-batch, bf16, counted per tensor a block keeps for backward: torch layer
+  by layer as autograd saves them (``plan_moe``: 10d + 6q + 6kv for attention and norms, 4ff for a
+  dense MLP, k (3d + 4h) + 4 h_shared + 3d + 4E for an MoE one), with activation checkpointing the
+  block inputs (d) plus the largest block recomputed; JAX (XLA's choice, fitted): no remat
+  6d + 3q + 4kv + 4ff values per token per layer; "save_dots": only the matmul outputs
+  (q + 2kv + 2d + 2ff); "block": only the block input (d), plus one block recomputed;
 - head + loss (``memory_logits_gib``): both trainers run the output head and the loss fused over
   token chunks (``HEAD_CHUNK_BYTES`` of fp32 logits at a time), keeping until backward the input
   gradient (tokens x d_model, bf16) and the head's fp32 gradient (d_model x padded vocab x 4 bytes).
@@ -65,6 +67,7 @@ from olmo_model.maths import (
 )
 from olmo_model.spec import ModelSpec
 
+from .plan_moe import gathered_block_params, jax_activation_bytes, routed_expert_params, torch_activation_bytes
 from .recipe import BatchLayout, Recipe, RecipeError, batch_layout, load_recipe
 
 GIB = 2**30
@@ -101,17 +104,6 @@ class Plan:
     device_hours: float
     days: float
     advice: str
-
-
-def _activation_values_per_token_layer(spec: ModelSpec, remat: str) -> float:
-    d, q, kv, ff = spec.d_model, spec.q_width, spec.kv_width, spec.mlp_hidden
-    if spec.moe is not None:
-        ff = spec.moe.top_k * spec.moe.expert_hidden + spec.moe.n_shared_experts * spec.moe.shared_hidden
-    if remat == "block":
-        return d
-    if remat == "save_dots":
-        return q + 2 * kv + 2 * d + 2 * ff
-    return 6 * d + 3 * q + 4 * kv + 4 * ff
 
 
 # The TPU kinds of the peak table: olmo-plan plans them for the JAX trainer by default.
@@ -246,14 +238,6 @@ def _jax_step(
     return state, head, attention
 
 
-def routed_expert_params(spec: ModelSpec) -> int:
-    """The routed experts' parameters (every MoE layer's n_experts SwiGLU MLPs); 0 for a dense spec."""
-    if spec.moe is None:
-        return 0
-    per_layer = spec.moe.n_experts * 3 * spec.d_model * spec.moe.expert_hidden
-    return per_layer * sum(spec.is_moe_layer(i) for i in range(spec.n_layers))
-
-
 def _memory_terms(
     recipe: Recipe,
     spec: ModelSpec,
@@ -273,15 +257,11 @@ def _memory_terms(
     counts, routed = param_counts(spec), routed_expert_params(spec)
     n_local = (counts.total - routed) / shard + routed / expert_shard
     state = n_local * 16
-    # torch under expert parallelism gathers a block's dense weights only (its experts stay local).
-    local_experts = framework == "torch" and recipe.torch.expert_parallel > 1
-    gathered_block = counts.total - counts.embedding - (routed if local_experts else 0)
-    biggest_block = max(gathered_block / spec.n_layers, 1.0)
-    gathered = 2 * biggest_block * 2 if shard > 1 else 0.0
-    per_layer = _activation_values_per_token_layer(spec, remat) * 2  # bf16 bytes
-    acts = tokens_micro * per_layer * spec.n_layers
-    if remat == "block":  # one block recomputed in full during backward
-        acts += tokens_micro * _activation_values_per_token_layer(spec, "none") * 2
+    gathered = 2 * gathered_block_params(recipe, spec, framework) * 2 if shard > 1 else 0.0
+    if framework == "torch":
+        acts = torch_activation_bytes(recipe, spec, remat, tokens_micro, seq)
+    else:
+        acts = jax_activation_bytes(spec, remat, tokens_micro)
     logits = (
         min(tokens_micro * spec.padded_vocab_size * 4, HEAD_CHUNK_BYTES)
         + tokens_micro * spec.d_model * 2

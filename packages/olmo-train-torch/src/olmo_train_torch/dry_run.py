@@ -49,7 +49,7 @@ from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
@@ -59,7 +59,8 @@ from olmo_run.plan import TPU_KINDS
 from olmo_run.recipe import BatchLayout, Recipe, RecipeError, batch_layout
 
 from .model import OlmoModel
-from .parallelize import Distributed, build_mesh, check_layout
+from .moe import moe_modules
+from .parallelize import Distributed, build_expert_mesh, build_mesh, check_layout
 from .step import accumulate_gradients, clip_gradients, grad_global_norm, make_optimizer, prepare_model
 
 CPU = torch.device("cpu")
@@ -94,6 +95,7 @@ def _check_tracker_internals() -> None:
             (MemTracker, "_update_peak_stats"),
             (MemTracker, "_pre_fw_hook"),
             (FSDPMemTracker, "_update_peak_stats"),
+            (FSDPMemTracker, "_update_and_maybe_create_winfos"),
         )
         if not callable(getattr(cls, name, None))
     ]
@@ -175,6 +177,11 @@ def _tracker(
     if isinstance(model, FSDPModule):
         tracker = FSDPMemTracker(model, optimizer) if module_stats else _PeakFSDPMemTracker(model, optimizer)
         tracker.track_inputs(inputs)
+        # Expert-parallel shards stay outside the FSDP wrapper, whose parameters are the only ones
+        # FSDPMemTracker registers (its track_external is a no-op): registered here as shards.
+        for moe in moe_modules(model):
+            for p in moe.experts.parameters() if moe.dispatcher is not None else ():
+                tracker._update_and_maybe_create_winfos(p, _FSDPRefType.SHARDED_PARAM)
     else:
         tracker = MemTracker() if module_stats else _PeakMemTracker(model)
         tracker.track_external(model, optimizer, *inputs)
@@ -265,20 +272,24 @@ def _refuse_tpu(device_kind: str, count: int, peak: DevicePeak) -> None:
 
 
 def _check_fake_layout(target: DryRunTarget) -> None:
-    """The trainer's own layout checks, then what fake tensors cannot run: expert parallelism's
-    routing-sized all-to-all and DDP's checks of real parameter data."""
+    """The trainer's own layout checks, then what fake tensors cannot run: dropless expert
+    parallelism's routing-sized all-to-all and DDP's checks of real parameter data."""
     section = target.recipe.torch
-    check_layout(section, target.count, target.spec, target.seq)
-    if section.expert_parallel > 1:
+    check_layout(section, target.count, target.spec, target.seq, optim_sharded=target.recipe.optim.sharded)
+    if section.expert_parallel > 1 and target.recipe.moe.capacity_factor is None:
         raise RecipeError(
-            f"--dry-run with torch.expert_parallel={section.expert_parallel}: the all-to-all's split sizes "
-            "come from the routing (read on the host), which fake tensors do not have; dry-run with "
-            "torch.expert_parallel=1"
+            f"--dry-run with torch.expert_parallel={section.expert_parallel} and moe.capacity_factor null "
+            "(dropless): the all-to-all's split sizes come from the routing, which fake tensors do not "
+            "have; set moe.capacity_factor (OLMo-core's scripts: 1.1875) for static capacity buffers, or "
+            "dry-run torch.expert_parallel=1"
         )
     if section.parallel == "ddp" and target.count > 1:
+        # With optim.sharded there is no DDP wrapper, but its AdamW step reads a scalar from the
+        # (fake) sharded moments: not run either.
         raise RecipeError(
             "--dry-run with torch.parallel=ddp: DistributedDataParallel checks and broadcasts real parameter "
-            "data when it is built, which fake tensors do not have; dry-run torch.parallel=fsdp or hsdp"
+            "data when it is built, and the sharded optimizer's step reads values, which fake tensors do not "
+            "have; dry-run torch.parallel=fsdp or hsdp (with optim.sharded=false)"
         )
 
 
@@ -292,7 +303,7 @@ def _track_step(
 
     seq, count = target.seq, target.count
     with fake_process_group(count) as d, contextlib.ExitStack() as fake, _sharding_propagation_untracked():
-        mesh = build_mesh(d, recipe.torch)
+        mesh, experts = build_mesh(d, recipe.torch), build_expert_mesh(d, recipe.torch)
         with torch.device("meta"):
             bare = OlmoModel(target.spec)
 
@@ -303,7 +314,7 @@ def _track_step(
             fake.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             m.to_empty(device=CPU)
 
-        model = prepare_model(bare, recipe, d, mesh, None, materialize=allocate)
+        model = prepare_model(bare, recipe, d, mesh, experts, materialize=allocate)
         optimizer = make_optimizer(model, recipe, CPU)
         _with_moments(optimizer)
         rows = layout.per_device_batch * layout.accumulation_steps
@@ -321,6 +332,8 @@ def _track_step(
             optimizer.zero_grad(set_to_none=True)
         snapshot = _peak_parts(tracker)
         mesh_shape = {"world": 1} if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        if experts is not None:
+            mesh_shape.update(zip(experts.mesh_dim_names or (), experts.shape))
     return snapshot, mesh_shape, mesh is not None
 
 
