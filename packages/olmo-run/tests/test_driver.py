@@ -95,7 +95,7 @@ class NumpyModule:
             raise RuntimeError("module failed")
         assert batch["input_ids"].shape == (self.plan.layout.global_batch, 32)
         loss = 8.0 - step / 10
-        skipped = guard.decide(step, loss, 1.0)
+        skipped = guard.should_skip(loss, 1.0)  # decided as on a device; the driver's read replays it
         if step == self.nan_at:
             self.weight = math.nan
         elif not skipped:
@@ -144,6 +144,9 @@ class NumpyModule:
 
     def stop_trace(self) -> None:
         self.calls.append("trace stop")
+
+    def to_host(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return values  # host values already
 
     def all_gather_text(self, text: str) -> list[str]:
         # Two processes reading the same rows (a context-parallel pair) send the same line.

@@ -93,6 +93,9 @@ class OneNumber:
     def all_gather_text(self, text: str) -> list[str]:
         return [text]
 
+    def to_host(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return values  # host values already
+
 
 def cli(argv: list[str], on_step=lambda run_dir, step: None) -> int:
     def train(recipe):

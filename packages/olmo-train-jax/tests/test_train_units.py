@@ -25,7 +25,7 @@ from olmo_run.recipe import RecipeError, load_recipe
 from olmo_train_jax import parallelize
 from olmo_train_jax.head_loss import head_chunk, head_loss_sums
 from olmo_train_jax.model import build_model
-from olmo_train_jax.step import decay_mask, for_mesh, step_functions, token_loss_sums
+from olmo_train_jax.step import GuardState, decay_mask, for_mesh, step_functions, token_loss_sums
 
 
 def test_loss_sums_match_torch_cross_entropy():
@@ -230,7 +230,11 @@ def test_fused_step_with_accumulation_matches_numpy_adamw():
             # Summation order differs (two micro-batches vs one pass): relative to the largest entry.
             np.testing.assert_allclose(got_g[k], ref_g[k], rtol=1e-4, atol=1e-4 * np.abs(ref_g[k]).max(), err_msg=k)
         grads_seen.append(got_g)
-        cur, opt_state = fns.apply(cur, opt_state, grads, stats["grad_norm"], np.float32(lr))
+        no_guard = GuardState(jnp.zeros((recipe.spike_guard.window, 2)), jnp.int32(0))  # the guard is off
+        cur, opt_state, _, skipped = fns.apply(
+            cur, opt_state, grads, stats["loss"], stats["grad_norm"], np.float32(lr), no_guard
+        )
+        assert not skipped
         if t == 0:  # the fused program is the same maths as grads-then-apply
             for k, v in _flat(fused_params).items():
                 np.testing.assert_allclose(v, _flat(cur)[k], rtol=1e-6, atol=1e-9, err_msg=k)

@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from olmo_model import get_preset
 from olmo_run.recipe import Recipe, batch_layout
-from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch.parallelize import Distributed, build_mesh
 from olmo_train_torch.step import make_optimizer, start_model, train_step
 
@@ -143,12 +142,11 @@ def main() -> None:
         layout = batch_layout(ROWS, world // cp)
         per, dp_rank = ROWS // layout.dp_size, rank // cp
         batch = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in batch_all.items()}
-        guard = SpikeGuard.from_recipe(recipe)
 
         def step(i: int) -> float:
             return train_step(
-                model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-4, guard=guard, step=i
-            ).loss
+                model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-4, step=i
+            ).read()["loss"]
 
         step(1)
         dist.barrier()

@@ -41,7 +41,6 @@ import torch
 from olmo_model import flops_per_token, get_preset, hf_config, param_counts
 from olmo_run.measure import matmul_peak
 from olmo_run.recipe import batch_layout, load_recipe
-from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch import initial_model, to_hf
 from olmo_train_torch.parallelize import Distributed, parallelize
 from olmo_train_torch.step import make_optimizer, train_step
@@ -90,10 +89,9 @@ def bench_ours(spec, batches, compile_blocks: bool):
     model = parallelize(model, None, recipe.torch, "fp32", one.device)
     optimizer = make_optimizer(model, recipe, one.device)
     layout = batch_layout(BATCH, 1)
-    guard = SpikeGuard()
 
     def step(b):
-        train_step(model, optimizer, b, layout=layout, d=one, spec=spec, recipe=recipe, lr=1e-4, guard=guard)
+        train_step(model, optimizer, b, layout=layout, d=one, spec=spec, recipe=recipe, lr=1e-4)
 
     return _time_steps(step, batches)
 

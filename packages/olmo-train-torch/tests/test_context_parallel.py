@@ -95,7 +95,6 @@ def _worker(rank: int, port: int, out_path: str) -> None:
 
     from olmo_model import reference
     from olmo_run.recipe import Recipe, batch_layout
-    from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch.hf_adapter import model_from_hf
     from olmo_train_torch.parallelize import Distributed, build_context, build_mesh
     from olmo_train_torch.step import make_optimizer, start_model, train_step
@@ -174,14 +173,13 @@ def _worker(rank: int, port: int, out_path: str) -> None:
         layout = batch_layout(GLOBAL_BATCH, d.world_size // cp)
         dp_rank = d.rank // cp
         per = GLOBAL_BATCH // layout.dp_size
-        guard = SpikeGuard.from_recipe(recipe)
         losses = []
         for step in range(1, STEPS + 1):
             batch = {k: v[dp_rank * per : (dp_rank + 1) * per] for k, v in _batch(step, spec.vocab_size).items()}
             stats = train_step(
-                model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-3, guard=guard, step=step
+                model, optimizer, batch, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-3, step=step
             )
-            losses.append(stats.loss)
+            losses.append(stats.read()["loss"])
         return losses
 
     d_all = Distributed(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"), initialized=True)

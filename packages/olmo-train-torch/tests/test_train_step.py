@@ -17,6 +17,7 @@ from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch import initial_model
 from olmo_train_torch.head_loss import head_loss_sums
 from olmo_train_torch.parallelize import Distributed
+from olmo_train_torch.spike_guard import DeviceSpikeGuard
 from olmo_train_torch.step import make_optimizer, train_step
 
 ONE = Distributed(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), initialized=False)
@@ -133,17 +134,16 @@ def test_two_steps_with_accumulation_match_reference():
     optimizer = make_optimizer(model, recipe, ONE.device)
     layout = batch_layout(4, 1, recipe.train.micro_batch_size)
     assert layout.accumulation_steps == 2
-    guard = SpikeGuard()
     batches = [(_batch(seed=1), 1e-3), (_batch(seed=2), 5e-4)]
     got = [
-        train_step(model, optimizer, b, layout=layout, d=ONE, spec=spec, recipe=recipe, lr=lr, guard=guard)
+        train_step(model, optimizer, b, layout=layout, d=ONE, spec=spec, recipe=recipe, lr=lr).read()
         for b, lr in batches
     ]
     want = _reference_steps(ref_model, batches, recipe, spec)
     for s, (loss, ce, z, norm) in zip(got, want):
-        assert abs(s.loss - loss) < 2e-5 and abs(s.ce_loss - ce) < 2e-5
-        assert abs(s.z_loss - z) < 1e-3
-        assert abs(s.grad_norm - norm) < 1e-4 * norm
+        assert abs(s["loss"] - loss) < 2e-5 and abs(s["ce_loss"] - ce) < 2e-5
+        assert abs(s["z_loss"] - z) < 1e-3
+        assert abs(s["grad_norm"] - norm) < 1e-4 * norm
         assert norm > recipe.optim.grad_clip  # clipping was active
     diffs = torch.cat([(p - q).abs().flatten() for p, q in zip(model.parameters(), ref_model.parameters())])
     # Updates are ~lr = 1e-3 per element. Nearly every element agrees to 3e-7 (2-3 float32
@@ -180,9 +180,17 @@ def test_spike_guard_skip_leaves_state_unchanged():
     guard.record(1.0, 0.1)  # a history far below a fresh model's loss (~8.3)
     guard.record(1.0, 0.1)
     layout = batch_layout(4, 1)
-    stats = train_step(model, optimizer, _batch(), layout=layout, d=ONE, spec=spec, recipe=recipe, lr=1e-3, guard=guard)
-    assert stats.skipped and stats.loss > 8.0
-    assert not optimizer.state  # no Adam moments, no step count
+    on_device = DeviceSpikeGuard(guard, ONE.device)  # decided on the device, undone there
+    kwargs = dict(layout=layout, d=ONE, spec=spec, recipe=recipe, lr=1e-3)
+    stats = train_step(model, optimizer, _batch(), guard=on_device, **kwargs).read()
+    assert stats["skipped"] and stats["loss"] > 8.0
+    # No Adam moments, no step count: the state the step made holds what a fresh one does.
+    assert all(not v.any() for st in optimizer.state.values() for v in st.values())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
-    assert len(guard.losses) == 2  # a skipped step is not history
+    assert len(guard.losses) == 2 and int(on_device.count) == 2  # a skipped step is not history
+    # ... and the next step is bitwise a fresh optimizer's first step on the same weights.
+    fresh = initial_model(spec, seed=0)
+    train_step(fresh, make_optimizer(fresh, recipe, ONE.device), _batch(seed=5), **kwargs)
+    train_step(model, optimizer, _batch(seed=5), **kwargs)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))

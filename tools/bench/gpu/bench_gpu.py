@@ -163,7 +163,6 @@ def cmd_torch(args) -> None:
 
     from olmo_model import flops_per_token, get_preset
     from olmo_run.recipe import batch_layout, load_recipe
-    from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch import initial_model
     from olmo_train_torch.parallelize import build_mesh, init_distributed
     from olmo_train_torch.step import make_optimizer, prepare_model, train_step
@@ -185,12 +184,12 @@ def cmd_torch(args) -> None:
     torch.manual_seed(0)
     model = prepare_model(initial_model(spec, seed=0, device=d.device), recipe, d, mesh, None)
     optimizer = make_optimizer(model, recipe, d.device)
-    layout, guard = batch_layout(args.batch, 1), SpikeGuard()
+    layout = batch_layout(args.batch, 1)
     data = token_batches(spec.vocab_size, args.warmup + args.steps, args.batch, args.seq)
 
     def step(tokens: np.ndarray) -> float:
         b = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "doc_ids": np.zeros_like(tokens[:, 1:])}
-        stats = train_step(model, optimizer, b, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-4, guard=guard)
+        stats = train_step(model, optimizer, b, layout=layout, d=d, spec=spec, recipe=recipe, lr=1e-4)
         _sync()
         return float(stats.loss)
 
@@ -761,7 +760,6 @@ def _moe_model_torch_rows(args, spec) -> None:
     from torch.distributed.tensor import DTensor
 
     from olmo_run.recipe import batch_layout, load_recipe
-    from olmo_run.spike_guard import SpikeGuard
     from olmo_train_torch.parallelize import build_mesh, init_distributed
     from olmo_train_torch.step import make_optimizer, start_model, train_step
 
@@ -797,10 +795,10 @@ def _moe_model_torch_rows(args, spec) -> None:
                         local.fill_(1.0)
             built = sum(p.numel() for p in model.parameters())
             optimizer = make_optimizer(model, recipe, d.device)
-            layout, guard = batch_layout(args.batch, 1), SpikeGuard()
+            layout = batch_layout(args.batch, 1)
             last: dict = {}
 
-            def step(tokens: np.ndarray, model=model, optimizer=optimizer, recipe=recipe, layout=layout, guard=guard):
+            def step(tokens: np.ndarray, model=model, optimizer=optimizer, recipe=recipe, layout=layout):
                 last["n"] = last.get("n", 0) + 1
                 b = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:], "doc_ids": np.zeros_like(tokens[:, 1:])}
                 stats = train_step(
@@ -812,12 +810,12 @@ def _moe_model_torch_rows(args, spec) -> None:
                     spec=spec,
                     recipe=recipe,
                     lr=1e-4,
-                    guard=guard,
                     step=last["n"],  # seeds random routing: a new draw every step
                 )
                 _sync()
-                last["moe"] = stats.moe
-                return float(stats.loss)
+                host = stats.read()
+                last["moe"] = host
+                return host["loss"]
 
             run = _run_steps(step, data, args.warmup, args.max_seconds)
             peak = torch.cuda.max_memory_allocated() / 2**30 if _cuda() else None

@@ -19,6 +19,23 @@ The driver owns the rest:
 
 A run whose final checkpoint exists but whose final eval or plot does not (a kill between
 them) is finished by a rerun: state restored, no step trained again, eval and plot written.
+
+No host synchronisation in a step but where a job needs host values (OLMo-core's trainer
+collects its metrics every ``metrics_collect_interval`` steps the same way):
+
+- the module's step records device values it does not read (losses, grad norm, the MoE
+  statistics, whether the spike guard skipped the update), and decides the guard on its
+  device from a history it keeps there (torch: a small tensor ring; JAX: arrays carried
+  between its programs), so a skipped update needs no read either;
+- the loop reads every step trained since the last read in one transfer (``to_host``) at a
+  log step (``log.every``), a checkpoint step (before the state is checked and saved: a
+  non-finite state is never checkpointed), an evaluation step and the last step
+  (``Callback.reads``, ``Run.read``); each step's decision is replayed on the driver's
+  ``SpikeGuard`` there, which stops the run at the first step that must stop it (exit status
+  3, as a non-finite step without the guard, or too many skips in a row, always did), at the
+  latest at that read; a skipped step without a train line gets a console line then;
+- a train line holds its own step's values, the same numbers whatever ``log.every`` is: a
+  run with ``log.every`` 3 logs at steps 3, 6, ... exactly what one with 1 logs there.
 """
 
 from __future__ import annotations
@@ -55,10 +72,19 @@ class TrainModule(Protocol):
     def train_step(
         self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard, metrics: StepMetrics
     ) -> None:
-        """One optimizer step (1-based) on this process's rows of global batch step - 1;
-        ``guard.decide`` says whether to skip its update (and raises when the run must stop).
-        Records loss, ce_loss, z_loss, grad_norm and skipped on ``metrics``, then its extras
-        (the moe_* keys first)."""
+        """One optimizer step (1-based) on this process's rows of global batch step - 1,
+        reading nothing to the host. ``guard`` holds the spike guard's settings and, at the
+        first step of this process, the history to start from (a resume's); the module keeps
+        the history on its device from then on and decides there whether to skip the update
+        (``SpikeGuard.should_skip``'s rule). Records loss, ce_loss, z_loss, grad_norm and
+        skipped on ``metrics``, then its extras (the MoE statistics first), as device values
+        or host ones; ``to_host`` turns them into the train line's."""
+        ...
+
+    def to_host(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The figures ``train_step`` recorded for some steps (in order), read to the host in
+        one transfer: floats, ints, bools and lists, keyed as the train line's keys (the MoE
+        statistics become the moe_* keys) in the recorded order; host values pass through."""
         ...
 
     def eval_sums(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:

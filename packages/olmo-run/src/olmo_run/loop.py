@@ -6,7 +6,16 @@ loop names none of them: a new cadenced job is one new class there.
 
 Each step's figures are recorded by name on its ``StepMetrics`` (the module records its loss,
 gradient norm and extras, the loop the step, LR and timing); the train line
-(``callbacks.train_line``) orders them as ``metrics.TRAIN_KEYS``, then the rest as recorded."""
+(``callbacks.train_line``) orders them as ``metrics.TRAIN_KEYS``, then the rest as recorded.
+
+The module records its figures as device values, unread: the loop keeps the steps trained
+since the last read and reads them all in one transfer (``Run.read``, the module's
+``to_host``) only where a job needs host values, which a job says with ``Callback.reads``:
+a log step (the train line), a checkpoint step (``Run.save`` reads first: a state is checked
+before it is saved) and an evaluation step; so a step in between costs no host
+synchronisation. The read replays each step's spike-guard decision on the driver's history
+(``SpikeGuard.observe``), which stops the run (exit status 3) at the first step that must stop
+it: a non-finite step is found at the latest at the next read, before any checkpoint of it."""
 
 from __future__ import annotations
 
@@ -72,8 +81,15 @@ class Callback:
     def before_step(self, run: Run, step: int) -> None:
         """Before ``step`` fetches its batch."""
 
+    def reads(self, run: Run, number: int) -> bool:
+        """Whether this job needs step ``number``'s figures (and the state's check) on the host
+        after it: the loop then reads every step trained since the last read, before any
+        ``after_step``."""
+        return False
+
     def after_step(self, run: Run, step: Step) -> None:
-        """After ``step`` is trained (its background save polled)."""
+        """After ``step`` is trained (its background save polled), with its figures on the host
+        where some job ``reads`` them at this step (device values otherwise)."""
 
     def on_end(self, run: Run) -> None:
         """After the last step (not when the loop raised)."""
@@ -109,6 +125,7 @@ class Run:
         self.started = time.time()
         self.sinks = open_sinks(self.recipe, local_copy(setup.run_dir), enabled=is_main)  # local even for a URL
         self.saved_step = -1
+        self.pending: list[tuple[int, StepMetrics]] = []  # steps trained since the last read
         if setup.resume is not None:
             self.guard.load_state_dict(setup.resume[2].get("spike_guard", {}))
 
@@ -130,6 +147,9 @@ class Run:
                 step.metrics.record("step_time", time.perf_counter() - t0)
                 step.metrics.record("data_wait", data_wait)
                 self.module.poll()
+                self.pending.append((number, step.metrics))
+                if any(callback.reads(self, number) for callback in self.callbacks):
+                    self.read()
                 for callback in self.callbacks:
                     callback.after_step(self, step)
             for callback in self.callbacks:
@@ -145,6 +165,28 @@ class Run:
             if self.sinks:
                 self.upload_local("tensorboard")
 
+    def is_log_step(self, number: int) -> bool:
+        """Whether step ``number`` has a train line: every ``log.every`` steps and the last."""
+        return number % self.recipe.log.every == 0 or number == self.total_steps
+
+    def read(self) -> None:
+        """The figures of the steps trained since the last read to the host, in one transfer
+        (the module's ``to_host``), and their spike-guard decisions replayed in order on the
+        driver's history (``SpikeGuard.observe`` raises at the first step that stops the run).
+        A skipped step that has no train line gets a console line."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return
+        values = self.module.to_host([metrics.values for _, metrics in pending])
+        for (number, metrics), host in zip(pending, values, strict=True):
+            metrics.values = host
+            if self.guard.observe(number, host["loss"], host["grad_norm"], host["skipped"]):
+                if not self.is_log_step(number):
+                    self.console.line(
+                        f"step {number}: skipped by the spike guard "
+                        f"(loss {host['loss']:.4f}, grad norm {host['grad_norm']:.3f})"
+                    )
+
     def write(self, record: dict[str, Any]) -> None:
         """One line of the metrics log and every sink."""
         self.metrics.write(record)
@@ -153,9 +195,10 @@ class Run:
 
     def save(self, step: int) -> None:
         """Checkpoint the state as of ``step`` (once: a second call for the same step does
-        nothing), refusing a non-finite state."""
+        nothing), refusing a non-finite state: the steps not yet read are read first."""
         if step == self.saved_step:
             return
+        self.read()
         if not self.module.state_is_finite():
             refuse_non_finite_state(step, self.setup.run_dir)
         extra = {

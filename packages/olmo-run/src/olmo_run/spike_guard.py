@@ -16,7 +16,16 @@ from .run_dir import RunPath
 @dataclass
 class SpikeGuard:
     """Decides, from accepted history only, whether a step's loss or grad norm is a spike, and
-    when the run must stop instead (``decide``)."""
+    when the run must stop instead (``decide``).
+
+    The rule (``should_skip``, OLMo-core's SkipStepAdamW idea): with the guard enabled, a step is
+    skipped when its loss or grad norm is not finite, or, once ``min_history`` accepted steps
+    are known, when either exceeds the mean + ``sigma`` x the (population) standard deviation
+    of the last ``window`` accepted steps' values. The trainers decide it on their device, so
+    that a skipped update costs no host read (``olmo_train_torch.spike_guard``, the JAX
+    trainer's ``step.guarded_update``), from this history as it was at the run's start; the
+    driver reads their decisions every few steps and replays them here (``observe``), which
+    keeps this history, the one checkpoints carry, equal to the device's."""
 
     enabled: bool = False
     window: int = 128
@@ -39,7 +48,14 @@ class SpikeGuard:
         )
 
     def decide(self, step: int, loss: float, grad_norm: float) -> bool:
-        """True when this step's update must be skipped. Raises TrainingDivergedError for a
+        """True when this step's update must be skipped (``should_skip``, the reference rule),
+        applied to the history as ``observe`` does (and raising where it raises)."""
+        return self.observe(step, loss, grad_norm, self.should_skip(loss, grad_norm))
+
+    def observe(self, step: int, loss: float, grad_norm: float, skipped: bool) -> bool:
+        """A step's decision, made on the device by the trainer from the same history (the rule
+        of ``should_skip``), applied here: an accepted step enters the history and resets the
+        count of skips in a row. Returns ``skipped``. Raises TrainingDivergedError for a
         non-finite loss or grad norm without the guard (nothing could undo that update), and
         after more than ``max_consecutive_skips`` skips in a row with it."""
         if not self.enabled:
@@ -50,7 +66,7 @@ class SpikeGuard:
                 "of this state was written; resume from the newest checkpoint with a lower optim.lr "
                 "(--optim.lr=... --checkpoint.allow_recipe_change=true), or --spike_guard.enabled=true to skip such steps"
             )
-        if not self.should_skip(loss, grad_norm):
+        if not skipped:
             self.consecutive_skips = 0
             self.record(loss, grad_norm)
             return False

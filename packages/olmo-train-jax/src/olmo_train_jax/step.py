@@ -18,9 +18,11 @@ trainer (``olmo_train_torch.step``), jitted for a mesh:
 - AdamW (optax's scale_by_adam + add_decayed_weights, decoupled; no decay on the input
   embedding unless optim.decay_embeddings, norms decayed iff optim.decay_norms) with the LR of
   ``recipe.schedule.lr(s, ...)`` computed on the host and passed in as an argument;
-- with the spike guard enabled the step is split in two jitted calls (gradients, then the
-  update) so that the host can decide to skip: a skipped step changes no parameter, moment or
-  Adam count, and its batch counts as consumed.
+- nothing is read to the host: the stats stay device arrays (the driver reads them every
+  ``log.every`` steps); with the spike guard enabled the step is two jitted calls (gradients,
+  then ``guarded_update``), the second deciding on the device, from a history carried between
+  steps (``GuardState``), whether to keep the update: a skipped step changes no parameter,
+  moment or Adam count, and its batch counts as consumed.
 
 Precision fp32 runs everything in float32 (matmuls at "highest" precision); bf16 keeps float32
 master weights and AdamW state and runs the model's matmuls in bfloat16, loss and reductions
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +231,55 @@ def apply_update(
     return params, opt_state
 
 
+class GuardState(NamedTuple):
+    """The spike guard's history on the device (``olmo_run.spike_guard.SpikeGuard``'s, carried
+    between steps): the last ``window`` accepted steps' (loss, grad norm), oldest first, the
+    newest in the last row, the rows before the last ``accepted`` zeros."""
+
+    history: jax.Array  # [window, 2] float32
+    accepted: jax.Array  # [] int32, the rows in use (at most window)
+
+
+@dataclass(frozen=True)
+class GuardRule:
+    """``spike_guard``'s settings (``SpikeGuard.should_skip``), bound into the update's program."""
+
+    enabled: bool
+    window: int
+    sigma: float
+    min_history: int
+
+
+def guard_decision(state: GuardState, loss: jax.Array, grad_norm: jax.Array, rule: GuardRule):
+    """(skip, state after the step): ``SpikeGuard.should_skip``'s rule in float32 (x64 is off;
+    a decision can differ from the float64 reference only within float32 roundings of the
+    threshold); an accepted step enters the history."""
+    if not rule.enabled:
+        return jnp.bool_(False), state
+    value = jnp.stack([loss, grad_norm]).astype(jnp.float32)
+    valid = (jnp.arange(rule.window) >= rule.window - state.accepted)[:, None]
+    n = jnp.maximum(state.accepted, 1).astype(jnp.float32)
+    mean = jnp.sum(jnp.where(valid, state.history, 0.0), axis=0) / n
+    std = jnp.sqrt(jnp.sum(jnp.where(valid, (state.history - mean) ** 2, 0.0), axis=0) / n)
+    spike = (state.accepted >= rule.min_history) & jnp.any(value > mean + rule.sigma * std)
+    skip = ~jnp.all(jnp.isfinite(value)) | spike
+    shifted = jnp.concatenate([state.history[1:], value[None]])
+    kept = GuardState(
+        jnp.where(skip, state.history, shifted),
+        jnp.where(skip, state.accepted, jnp.minimum(state.accepted + 1, rule.window)),
+    )
+    return skip, kept
+
+
+def guarded_update(params, opt_state, grads, loss, grad_norm, lr, guard: GuardState, tx, clip, rule: GuardRule):
+    """``apply_update`` kept or not as the spike guard decides on the device: (params, AdamW
+    state, guard state, skipped); a skipped update leaves both states as they were."""
+    skip, guard = guard_decision(guard, loss, grad_norm, rule)
+    new_params, new_opt = apply_update(params, opt_state, grads, grad_norm, lr, tx, clip)
+    params, opt_state = jax.tree.map(partial(jnp.where, skip), (params, opt_state), (new_params, new_opt))
+    return params, opt_state, guard, skip
+
+
 def fused_step(params, opt_state, batch, lr, step, cfg: StepConfig, tx: optax.GradientTransformation, clip):
     """``apply_update(loss_and_grads(...))`` in one program: (params, AdamW state, stats)."""
     grads, stats = loss_and_grads(params, batch, step, cfg)
@@ -249,8 +300,10 @@ def eval_sums(params: dict, input_ids: jax.Array, labels: jax.Array, doc_ids: ja
 class StepFunctions:
     """The jitted programs of a step (each has ``.lower`` for an ahead-of-time compile, as
     ``dry_run`` does): ``grads(params, batch, step)`` -> (gradients, stats); ``apply(params,
-    opt_state, grads, grad_norm, lr)``; ``fused(params, opt_state, batch, lr, step)`` -> (params,
-    opt_state, stats), both in one program, the state donated; ``evaluate(params, input_ids,
+    opt_state, grads, loss, grad_norm, lr, guard)`` -> (params, opt_state, guard, skipped), the
+    update kept where the spike guard accepts it (``guarded_update``; always, without the
+    guard); ``fused(params, opt_state, batch, lr, step)`` -> (params, opt_state, stats), both in
+    one program (no guard), the state donated; ``evaluate(params, input_ids,
     labels, doc_ids)`` -> (CE sum, valid tokens). ``step`` is the 1-based step as np.int32 (it
     seeds random MoE routing; unused otherwise), ``lr`` an np.float32."""
 
@@ -280,6 +333,10 @@ def step_functions(m: MeshModel, spec: ModelSpec, recipe: Recipe, mesh: jax.shar
         # ignore: the NamedTuple as a pytree of shardings, mirroring the stats it places.
         stats_out["moe"] = RoutingStats(replicated, replicated, replicated, replicated)  # type: ignore[arg-type]
     params_sh, opt_sh, clip = m.params_sh, m.opt_sh, recipe.optim.grad_clip
+    g = recipe.spike_guard
+    rule = GuardRule(g.enabled, g.window, g.sigma, g.min_history)
+    # ignore: the NamedTuple as a pytree of shardings, mirroring the state it places.
+    guard_sh = GuardState(replicated, replicated)  # type: ignore[arg-type]
     return StepFunctions(
         grads=jax.jit(
             partial(loss_and_grads, cfg=cfg),
@@ -287,10 +344,10 @@ def step_functions(m: MeshModel, spec: ModelSpec, recipe: Recipe, mesh: jax.shar
             out_shardings=(params_sh, stats_out),
         ),
         apply=jax.jit(
-            partial(apply_update, tx=m.tx, clip=clip),
-            in_shardings=(params_sh, opt_sh, params_sh, replicated, replicated),
-            out_shardings=(params_sh, opt_sh),
-            donate_argnums=(0, 1),
+            partial(guarded_update, tx=m.tx, clip=clip, rule=rule),
+            in_shardings=(params_sh, opt_sh, params_sh, replicated, replicated, replicated, guard_sh),
+            out_shardings=(params_sh, opt_sh, guard_sh, replicated),
+            donate_argnums=(0, 1, 6),
         ),
         fused=jax.jit(
             partial(fused_step, cfg=cfg, tx=m.tx, clip=clip),

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from olmo_run import Processes, RunSetup, StepMetrics, Trainer, start
 from olmo_run.errors import TrainingStateError
@@ -32,8 +34,8 @@ from . import parallelize
 from .checkpoint import Checkpointer, abstract_like, load_checkpoint
 from .hf_adapter import initial_params, model_from_hf, validate_hf
 from .model import build_model
-from .moe import moe_metrics
-from .step import BATCH_KEYS, all_finite, for_mesh, step_functions
+from .moe import RoutingStats, moe_metrics
+from .step import BATCH_KEYS, GuardState, all_finite, for_mesh, step_functions
 
 FRAMEWORK = "jax"
 
@@ -132,6 +134,7 @@ class JaxTrainModule:
                 self.opt_state = jax.jit(prepared.tx.init, out_shardings=prepared.opt_sh)(self.params)
         self.fns = step_functions(prepared, spec, recipe, mesh)
         self.n_devices = jax.device_count()
+        self.guard: GuardState | None = None  # the spike guard's history, on the devices from step 1
         self.checkpointer = Checkpointer(
             setup.run_dir, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep
         )
@@ -139,33 +142,46 @@ class JaxTrainModule:
     def train_step(
         self, local: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard, metrics: StepMetrics
     ) -> None:
+        """One step, its stats recorded as device arrays, unread; with the spike guard, its
+        history goes to the devices at this process's first step and is carried from there."""
         layout = self.setup.layout
         batch = {
             k: parallelize.global_batch_array(local[k], self.mesh, layout.accumulation_steps, layout.global_batch)
             for k in BATCH_KEYS
         }
         lr_arg, step_arg = np.float32(lr), np.int32(step)
+        skipped: Any = False
         if guard.enabled:
+            if self.guard is None:
+                self.guard = guard_state(guard, self.mesh)
             grads, stats = self.fns.grads(self.params, batch, step_arg)
-            skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
-            if not skipped:
-                self.params, self.opt_state = self.fns.apply(
-                    self.params, self.opt_state, grads, stats["grad_norm"], lr_arg
-                )
+            self.params, self.opt_state, self.guard, skipped = self.fns.apply(
+                self.params, self.opt_state, grads, stats["loss"], stats["grad_norm"], lr_arg, self.guard
+            )
             del grads
         else:
-            # The update is applied in the same program; a non-finite loss stops the run here,
-            # before anything of that state is saved.
+            # The update is applied in the same program; a non-finite loss stops the run at the
+            # driver's next read, before anything of that state is saved.
             self.params, self.opt_state, stats = self.fns.fused(self.params, self.opt_state, batch, lr_arg, step_arg)
-            skipped = guard.decide(step, float(stats["loss"]), float(stats["grad_norm"]))
-        moe_step = stats.pop("moe", None)
-        values = {k: float(v) for k, v in stats.items()}
         for name in ("loss", "ce_loss", "z_loss", "grad_norm"):
-            metrics.record(name, values[name])
+            metrics.record(name, stats[name])
         metrics.record("skipped", skipped)
-        if moe_step is not None:  # the MoE contract's moe_* keys
-            for name, value in moe_metrics(moe_step, ep_size=parallelize.expert_size(self.mesh)).items():
-                metrics.record(name, value)
+        if "moe" in stats:  # the MoE contract's moe_* keys, made by to_host
+            metrics.record("moe", stats["moe"])
+
+    def to_host(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One ``jax.device_get`` of every step's arrays; scalars as Python numbers, the routing
+        stats as the moe_* keys in their place."""
+        out = []
+        for row in jax.device_get(values):
+            host: dict[str, Any] = {}
+            for name, value in row.items():
+                if isinstance(value, RoutingStats):
+                    host.update(moe_metrics(value, ep_size=parallelize.expert_size(self.mesh)))
+                else:
+                    host[name] = value.item() if isinstance(value, np.ndarray | np.generic) else value
+            out.append(host)
+        return out
 
     def eval_sums(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         b = _put_eval_batch(batch, self.mesh)
@@ -213,6 +229,21 @@ class JaxTrainModule:
 
     def close(self) -> None:
         self.checkpointer.close()
+
+
+def guard_state(guard: SpikeGuard, mesh: jax.sharding.Mesh) -> GuardState:
+    """``guard``'s history (a resume's, or empty) as the replicated ``GuardState``."""
+    known = list(zip(guard.losses, guard.norms))[-guard.window :]
+    history = np.zeros((guard.window, 2), np.float32)
+    if known:
+        history[guard.window - len(known) :] = np.asarray(known, np.float32)
+    replicated = NamedSharding(mesh, P())
+    return GuardState(_replicated(history, replicated), _replicated(np.asarray(len(known), np.int32), replicated))
+
+
+def _replicated(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The same host ``value`` on every device of ``sharding`` (every process passes it)."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def _initial_state(

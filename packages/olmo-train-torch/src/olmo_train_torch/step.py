@@ -22,8 +22,11 @@ optimizer step ``s`` (1-based) over a global batch of sequences, identically to 
 - AdamW (``torch.optim.AdamW``, decoupled decay ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p)``),
   LR ``recipe.schedule.lr(s, optim.lr, total)`` set on the host every step; no decay on the
   input embedding unless ``optim.decay_embeddings``; norms decayed iff ``optim.decay_norms``;
-- spike guard: a skipped step leaves parameters, moments and Adam's step count unchanged
-  (``optimizer.step`` is not called) and still consumes its batch;
+- nothing is read to the host: the step's figures stay on the device (``StepStats``; the
+  driver reads them every ``log.every`` steps, ``host_values``); the spike guard decides on
+  the device (``spike_guard.DeviceSpikeGuard``), and a skipped step leaves parameters, moments
+  and Adam's step count as they were (``spike_guard.step_unless``) and still consumes its
+  batch;
 - MoE specs: each micro-step adds the aux losses of its global micro-batch (weighted by the
   spec, zero unless ``moe.routing`` is learned), scaled by the rank count like the CE and
   averaged over micro-steps; ``moe.routing`` and ``moe.mxfp8`` set the block's runtime knobs
@@ -51,7 +54,6 @@ from olmo_data.order import IGNORE_INDEX  # the loader's label for "no next toke
 from olmo_model import ModelSpec
 from olmo_run.decay import DECAY_GROUPS, decay_group, group_weight_decay
 from olmo_run.recipe import BatchLayout, Recipe
-from olmo_run.spike_guard import SpikeGuard
 
 from .hf_adapter import SafetensorsBlocks, fill_local_shards, init_reader
 from .model import OlmoModel
@@ -73,6 +75,7 @@ from .parallelize import (
     unwrap,
 )
 from .sharded_optimizer import ShardedAdamW, sharded_masters_of
+from .spike_guard import DeviceSpikeGuard, step_unless
 
 # torch.nn.utils.clip_grad_norm_ divides by (norm + 1e-6); the JAX trainer writes the same.
 CLIP_EPS = 1e-6
@@ -150,12 +153,68 @@ def clip_gradients(params: list[torch.Tensor], max_norm: float, norm: torch.Tens
 
 @dataclass
 class StepStats:
-    loss: float
-    ce_loss: float
-    z_loss: float
-    grad_norm: float
-    skipped: bool
-    moe: dict[str, Any] | None = None  # MoE specs: the moe_* keys of the train line
+    """One step's figures as device tensors, unread: loss, ce_loss and z_loss (float64, over the
+    global batch; loss = ce + z_loss_weight x z + the MoE aux term), the grad norm (float32,
+    before clipping), whether the spike guard skipped the update (a bool tensor; False without
+    the guard) and, for MoE specs, the step's routing statistics."""
+
+    loss: torch.Tensor
+    ce_loss: torch.Tensor
+    z_loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor | bool
+    moe: RoutingStats | None = None
+
+    def values(self) -> dict[str, Any]:
+        """The figures by train-line key (the routing statistics as "moe"), still on the device."""
+        keys = ("loss", "ce_loss", "z_loss", "grad_norm", "skipped")
+        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        if self.moe is not None:
+            out["moe"] = self.moe
+        return out
+
+    def read(self, ep_size: int = 1) -> dict[str, Any]:
+        """The figures on the host (``host_values``)."""
+        return host_values([self.values()], ep_size)[0]
+
+
+def _routing_fields(stats: RoutingStats) -> list[torch.Tensor]:
+    return [stats.load_balancing, stats.router_z, stats.tokens_per_expert, stats.dropped]
+
+
+def host_values(steps: list[dict[str, Any]], ep_size: int) -> list[dict[str, Any]]:
+    """Each step's recorded values with every tensor read to the host in ONE transfer (as
+    float64: exact for float32 values and for counts below 2^53): a one-element tensor becomes a
+    bool, int or float by its dtype, a longer one a list, a ``RoutingStats`` the moe_* keys in
+    its place (``moe_metrics``, ``ep_size`` ranks for the load figure); host values pass
+    through."""
+    tensors = []
+    for values in steps:
+        for v in values.values():
+            if isinstance(v, RoutingStats):
+                tensors += _routing_fields(v)
+            elif isinstance(v, torch.Tensor):
+                tensors.append(v)
+    if not tensors:
+        return [dict(values) for values in steps]
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors]).cpu()
+    pieces = iter(torch.split(flat, [t.numel() for t in tensors]))
+
+    def host(t: torch.Tensor) -> Any:
+        got = next(pieces).to(t.dtype)
+        return got.tolist() if t.dim() > 0 else got.item()
+
+    out = []
+    for values in steps:
+        row: dict[str, Any] = {}
+        for k, v in values.items():
+            if isinstance(v, RoutingStats):
+                read = RoutingStats(*(next(pieces).to(t.dtype).reshape(t.shape) for t in _routing_fields(v)))
+                row.update(moe_metrics(read, ep_size))
+            else:
+                row[k] = host(v) if isinstance(v, torch.Tensor) else v
+        out.append(row)
+    return out
 
 
 def accumulate_gradients(
@@ -222,38 +281,36 @@ def train_step(
     spec: ModelSpec,
     recipe: Recipe,
     lr: float,
-    guard: SpikeGuard,
+    guard: DeviceSpikeGuard | None = None,
     step: int = 1,
 ) -> StepStats:
     """One optimizer step (1-based ``step``, which seeds random MoE routing) over this
-    rank's slice of a global batch."""
+    rank's slice of a global batch, reading nothing to the host: its figures stay on the
+    device (``StepStats.read`` reads them); ``guard`` (None: no spike guard) decides there
+    whether the update is undone (``spike_guard.step_unless``)."""
     tensors = {k: torch.from_numpy(batch[k]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
     sums, n_global, moe_terms = accumulate_gradients(
         model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, step=step
     )
     d.all_reduce_sum(sums)
-    ce_mean, z_mean = (sums / n_global).tolist()
+    ce_mean, z_mean = (sums / n_global).unbind()
+    # float64, in the order Python added the read values: the same numbers on the host.
     loss = ce_mean + spec.z_loss_weight * z_mean
     moe = None
     if moe_terms:
-        merged = merge_micro_steps(moe_terms)
+        moe = merge_micro_steps(moe_terms)
         assert spec.moe is not None  # only MoE layers return stats
-        loss += float(aux_loss(merged, spec.moe, recipe.moe.routing))
-        moe = moe_metrics(merged, ep_size=recipe.torch.expert_parallel)
-
+        loss = loss + aux_loss(moe, spec.moe, recipe.moe.routing).detach().double()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     norm = grad_global_norm(params)
-    grad_norm = float(norm)
-    if guard.decide(step, loss, grad_norm):  # raises for a non-finite step the guard cannot skip
-        optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss, ce_mean, z_mean, grad_norm, True, moe)
+    skip = guard.skip(loss, norm) if guard is not None else None
     if recipe.optim.grad_clip is not None:
         clip_gradients(params, recipe.optim.grad_clip, norm)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    optimizer.step()
+    step_unless(optimizer, model, skip)
     optimizer.zero_grad(set_to_none=True)
-    return StepStats(loss, ce_mean, z_mean, grad_norm, False, moe)
+    return StepStats(loss, ce_mean, z_mean, norm, False if skip is None else skip, moe)
 
 
 def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distributed) -> bool:
@@ -269,8 +326,10 @@ def state_is_finite(model: nn.Module, optimizer: torch.optim.Optimizer, d: Distr
         ),
     ]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    bad = sum(int(not torch.isfinite(t.detach()).all()) for t in local)
-    return d.all_reduce_sum(torch.tensor(float(bad), dtype=torch.float64, device=d.device)).item() == 0
+    # One read: the count of non-finite tensors summed on the device, then over the ranks.
+    # (AdamW's step counts may live on the host: each flag goes to the device.)
+    bad = torch.stack([(~torch.isfinite(t.detach()).all()).to(d.device) for t in local]).sum().to(torch.float64)
+    return d.all_reduce_sum(bad).item() == 0
 
 
 @torch.no_grad()

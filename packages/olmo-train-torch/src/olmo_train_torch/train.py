@@ -31,7 +31,16 @@ from .parallelize import (
     init_distributed,
     process_layout,
 )
-from .step import apply_recipe_hyperparams, eval_sums, make_optimizer, start_model, state_is_finite, train_step
+from .spike_guard import DeviceSpikeGuard
+from .step import (
+    apply_recipe_hyperparams,
+    eval_sums,
+    host_values,
+    make_optimizer,
+    start_model,
+    state_is_finite,
+    train_step,
+)
 
 FRAMEWORK = "torch"
 
@@ -132,6 +141,7 @@ class TorchTrainModule:
         self.n_devices = d.world_size
         self.cuda = d.device.type == "cuda"
         self.peak_before = 0.0  # the CUDA memory peak before this step's reset (start-up's included)
+        self.guard: DeviceSpikeGuard | None = None  # the spike guard's history, on the device from step 1
         self.checkpointer = Checkpointer(
             setup.run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep
         )
@@ -139,7 +149,11 @@ class TorchTrainModule:
     def train_step(
         self, batch: dict[str, np.ndarray], step: int, lr: float, guard: SpikeGuard, metrics: StepMetrics
     ) -> None:
+        """``step.train_step``, its figures recorded unread; the spike guard's history goes to
+        the device at this process's first step and stays there."""
         setup, d = self.setup, self.d
+        if self.guard is None:
+            self.guard = DeviceSpikeGuard(guard, d.device)
         if self.cuda:  # this step's own peak (gpu_peak_mem_gib); the run's is kept in peak_before
             self.peak_before = max(self.peak_before, float(torch.cuda.max_memory_allocated(d.device)))
             torch.cuda.reset_peak_memory_stats(d.device)
@@ -152,20 +166,16 @@ class TorchTrainModule:
             spec=setup.spec,
             recipe=setup.recipe,
             lr=lr,
-            guard=guard,
+            guard=self.guard,
             step=step,
         )
-        for name, value in (
-            ("loss", stats.loss),
-            ("ce_loss", stats.ce_loss),
-            ("z_loss", stats.z_loss),
-            ("grad_norm", stats.grad_norm),
-            ("skipped", stats.skipped),
-            *(stats.moe or {}).items(),
-        ):
+        for name, value in stats.values().items():
             metrics.record(name, value)
         if self.cuda:
             metrics.record("gpu_peak_mem_gib", torch.cuda.max_memory_allocated(d.device) / 2**30)
+
+    def to_host(self, values: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return host_values(values, ep_size=self.setup.recipe.torch.expert_parallel)
 
     def eval_sums(self, batch: dict[str, np.ndarray]) -> tuple[float, float]:
         return eval_sums(self.model, batch, self.d, self.setup.recipe)

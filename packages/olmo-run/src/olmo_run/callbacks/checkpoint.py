@@ -9,6 +9,9 @@ from ..loop import Callback, Run, Step
 class Checkpoint(Callback):
     order = 30
 
+    def reads(self, run: Run, number: int) -> bool:
+        return number % run.recipe.checkpoint.every == 0 or number == run.total_steps
+
     def after_step(self, run: Run, step: Step) -> None:
-        if step.number % run.recipe.checkpoint.every == 0 or step.number == run.total_steps:
+        if self.reads(run, step.number):
             run.save(step.number)

@@ -17,6 +17,10 @@ class Evaluation(Callback):
         if pending(run, run.setup.start_step):
             self.evaluate(run, run.setup.start_step)
 
+    def reads(self, run: Run, number: int) -> bool:
+        """A state is evaluated only once its steps are read (a non-finite one stops first)."""
+        return due(run, number) and bool(run.setup.mixture.held_out_sources)
+
     def after_step(self, run: Run, step: Step) -> None:
         if due(run, step.number):
             self.evaluate(run, step.number)

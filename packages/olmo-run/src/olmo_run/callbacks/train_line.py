@@ -1,5 +1,6 @@
 """The train line (every ``log.every`` steps and the last): one "train" record of the metrics
-log and the sinks, and its console line; and the progress bar, advanced every step."""
+log and the sinks, and its console line; and the progress bar, advanced every step (showing
+the last logged loss: the steps in between are not read to the host)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,17 @@ from ..metrics import TRAIN_KEYS
 class TrainLine(Callback):
     order = 20
 
+    def __init__(self) -> None:
+        self.info = ""  # the progress bar's text: the last logged loss
+
+    def reads(self, run: Run, number: int) -> bool:
+        return run.is_log_step(number)
+
     def after_step(self, run: Run, step: Step) -> None:
-        if step.number % run.recipe.log.every == 0 or step.number == run.total_steps:
+        if run.is_log_step(step.number):
             self.log(run, step)
-        run.console.advance(f"loss {step.metrics['loss']:.4f}")
+            self.info = f"loss {step.metrics['loss']:.4f}"
+        run.console.advance(self.info)
 
     def log(self, run: Run, step: Step) -> None:
         m = step.metrics
