@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor
 
 from olmo_model import layout_loss_tolerance
 from olmo_run.recipe import RecipeError, batch_layout, load_recipe
-from olmo_run.spike_guard import SpikeGuard
 from olmo_train_torch.hf_adapter import initial_model
 from olmo_train_torch.parallelize import Distributed, build_expert_mesh, build_mesh, check_parallel
 from olmo_train_torch.sharded_optimizer import ShardedAdamW, sharded_masters_of
@@ -94,10 +93,9 @@ def _losses(d: Distributed, *args: str) -> list[float]:
             spec=recipe.model_spec(),
             recipe=recipe,
             lr=LR,
-            guard=SpikeGuard(),
             step=step,
         )
-        losses.append(stats.loss)
+        losses.append(stats.read()["loss"])
     return losses
 
 
@@ -130,7 +128,6 @@ def _worker(rank: int, port: int, want: list[float]) -> None:
             spec=recipe.model_spec(),
             recipe=recipe,
             lr=LR,
-            guard=SpikeGuard(),
         )
         masters = sharded_masters_of(model)
         assert masters is not None
