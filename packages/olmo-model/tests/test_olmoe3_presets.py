@@ -63,16 +63,21 @@ OLMO_CORE = {
 
 
 @pytest.mark.parametrize("preset", sorted(OLMO_CORE))
-def test_counts_equal_olmo_cores_less_the_norms_the_spec_cannot_express(preset):
-    """Embeddings, head, routers and norms counted as OLMo-core counts them. OLMo-core's models
-    also hold an embedding RMSNorm (d_model weights) and, in the peri-norm production blocks (not
-    the benchmark's), an input RMSNorm before attention and before the MLP (2 * d_model per
-    layer); the spec has neither, so our counts are those weights short, exactly."""
-    spec = get_preset(preset)
-    peri = not preset.startswith("olmoe3-bench")
-    missing = spec.d_model * (1 + (2 * spec.n_layers if peri else 0))
-    counts = param_counts(spec)
-    assert (counts.active + missing, counts.total + missing) == OLMO_CORE[preset]
+def test_counts_equal_olmo_cores(preset):
+    """Embeddings, head, routers and norms counted as OLMo-core counts them, exactly: the embedding
+    RMSNorm, and in the peri-norm production blocks (not the benchmark's) the input RMSNorms before
+    attention and before the MLP besides the two output norms."""
+    counts = param_counts(get_preset(preset))
+    assert (counts.active, counts.total) == OLMO_CORE[preset]
+
+
+def test_norm_options_count_their_weights():
+    """peri-norm adds 2 * d_model weights per layer, the embedding norm d_model, to active and total
+    alike (t001: 16 layers at d_model 2048)."""
+    t001 = get_preset("olmoe3-t001")
+    plain = param_counts(t001.replace(norm_placement="reordered", embedding_norm=False, embedding_scale=None))
+    counts = param_counts(t001)
+    assert counts.total - plain.total == counts.active - plain.active == 2048 * (2 * 16 + 1)
 
 
 def test_t001_flops_per_token_by_hand():
@@ -177,4 +182,4 @@ def test_cli_lists_and_describes_the_presets(capsys):
     assert [c.strip() for c in rows["olmo3-7b"].split("│")[7:9]] == ["-", "-"]
     assert cli.main(["describe", "olmoe3-t001"]) == 0
     out = capsys.readouterr().out
-    assert "12,912,105,472 (12.91B)" in out and "1,587,484,672 (1.59B)" in out
+    assert "12,912,173,056 (12.91B)" in out and "1,587,552,256 (1.59B)" in out

@@ -146,6 +146,9 @@ def olmoddp_layout(
     norm = (spec.head_dim,) if spec.qk_norm == "per_head" else None
     sizes: dict[str, Shape] = {"embeddings.weight": (spec.padded_vocab_size, d)}
     pieces = {"model.embed_tokens.weight": Piece("embeddings.weight", lambda t: t)}
+    if spec.embedding_norm:
+        sizes["embedding_norm.weight"] = (d,)
+        pieces["model.embed_norm.weight"] = Piece("embedding_norm.weight", lambda t: t)
     for i in range(spec.n_layers):
         p, b = f"model.layers.{i}.", f"blocks.{i}."
         if fused_qkv:
@@ -162,6 +165,9 @@ def olmoddp_layout(
             own["self_attn.k_norm"] = ("attention.k_norm", norm or (kv,))
         own["post_attention_layernorm"] = ("attention_norm", (d,))
         own["post_feedforward_layernorm"] = ("feed_forward_norm", (d,))
+        if spec.norm_placement == "peri":  # use_peri_norm's input norms
+            own["input_layernorm"] = ("attention_input_norm", (d,))
+            own["pre_feedforward_layernorm"] = ("feed_forward_input_norm", (d,))
         for ours, (theirs, shape) in own.items():
             sizes[b + theirs + ".weight"] = shape
             pieces[p + ours + ".weight"] = Piece(b + theirs + ".weight", lambda t: t)

@@ -18,8 +18,8 @@ from .presets import SpecError, spec_from_dict
 from .spec import ModelSpec
 
 
-def hf_config(spec: ModelSpec) -> dict[str, Any]:
-    """config.json contents for transformers' Olmo3ForCausalLM."""
+def _check_olmo3_expressible(spec: ModelSpec) -> None:
+    """A one-line SpecError naming the first field transformers' Olmo3 has no place for."""
     if spec.moe is not None:
         raise SpecError("hf_config: MoE specs use the OLMoE layout, not Olmo3; see olmo_model.hf_moe")
     if spec.norm_placement != "reordered":
@@ -38,6 +38,11 @@ def hf_config(spec: ModelSpec) -> dict[str, Any]:
             f"hf_config: qk_norm='{spec.qk_norm}' cannot be expressed by Olmo3ForCausalLM "
             "(it normalises q and k over the full width); use qk_norm='full'"
         )
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """config.json contents for transformers' Olmo3ForCausalLM."""
+    _check_olmo3_expressible(spec)
     sliding_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
     full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rope_theta}
     if spec.yarn is not None:

@@ -15,7 +15,7 @@
   ``post_feedforward_layernorm`` (the MLP sublayer's) to OLMoE's ``post_attention_layernorm``.
 
 ``olmoe_config(spec)`` writes the OlmoeConfig of the same model for the specs OLMoE can
-express (pre-norm, no shared expert, softmax router with weights summing to 1 at most (no
+express (pre-norm, not peri-norm; no embedding scale or norm; no shared expert, softmax router with weights summing to 1 at most (no
 ``restore_weight_scale``), every layer MoE, full attention, QK-norm over the full width, heads
 of d_model / n_heads, no YaRN); ``spec_from_olmoe_config`` reads one back.
 """
@@ -46,6 +46,11 @@ def _check_expressible(spec: ModelSpec) -> None:
             moe.n_shared_experts > 0,
             f"moe.n_shared_experts={moe.n_shared_experts}",
             "set it to 0 (OLMoE has no shared expert)",
+        ),
+        (
+            spec.embedding_norm or spec.embedding_scale is not None,
+            f"embedding_norm={spec.embedding_norm}, embedding_scale={spec.embedding_scale}",
+            "set embedding_norm: false and embedding_scale: null (OLMoE feeds the raw embedding to layer 0)",
         ),
         (moe.gating != "softmax", f"moe.gating='{moe.gating}'", "use softmax (OLMoE's router)"),
         (moe.layers is not None, "moe.layers is set", "make every layer MoE (null), as in OLMoE"),

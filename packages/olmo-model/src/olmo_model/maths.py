@@ -55,11 +55,13 @@ def _ffn_params(spec: ModelSpec, layer: int) -> tuple[int, int]:
 def param_counts(spec: ModelSpec) -> ParamCounts:
     d = spec.d_model
     embedding = 2 * spec.padded_vocab_size * d  # untied embedding + lm_head
-    total = embedding + d  # final norm
-    active = embedding + d
+    norms = d * (2 if spec.embedding_norm else 1)  # final norm (+ the embedding norm)
+    total = embedding + norms
+    active = embedding + norms
+    sublayer_norms = 4 if spec.norm_placement == "peri" else 2  # peri-norm: an input and an output norm each
     for i in range(spec.n_layers):
         stored, act = _ffn_params(spec, i)
-        block = _attn_params(spec) + 2 * d  # + post-attention and post-feedforward norms
+        block = _attn_params(spec) + sublayer_norms * d
         total += block + stored
         active += block + act
     return ParamCounts(total=total, non_embedding=total - embedding, active=active, embedding=embedding)

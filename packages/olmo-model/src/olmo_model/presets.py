@@ -5,6 +5,7 @@ test sequences so both attention kinds are exercised)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,7 @@ def _olmoe3(
     n_dense: int,
     lb_loss: float,
     router_z_loss: float = 2e-4,
+    peri_norm: bool = True,
 ) -> dict[str, Any]:
     """One of OLMo-core 3's OLMoE3 models (src/examples/olmo_ddp/, branch olmo-ddp): top-4 of
     n_experts SwiGLU experts of width ``hidden`` plus one shared expert of the same width; the
@@ -104,7 +106,10 @@ def _olmoe3(
     top_k * hidden + hidden; head_dim 128 (so n_heads * 128 may differ from d_model); QK-norm
     per head; RoPE theta 500000 on every layer, no sliding window; softmax router whose top-k
     weights are renormalised and scaled back by k; init std 0.01; z-loss 1e-4 (the train
-    module's z_loss_multiplier). Vocab 100278 padded to 100352, RMSNorm eps 1e-6 (the defaults)."""
+    module's z_loss_multiplier); peri-norm blocks (``use_peri_norm``: an input RMSNorm on attention and
+    on the MLP besides the two output norms) unless ``peri_norm`` is false (the reordered norms
+    alone); the embedding times sqrt(d_model), then RMS-normalised (``embed_scale``,
+    ``embedding_norm``). Vocab 100278 padded to 100352, RMSNorm eps 1e-6 (the defaults)."""
     top_k = 4
     return dict(
         d_model=d_model,
@@ -114,6 +119,9 @@ def _olmoe3(
         head_dim=128,
         mlp_hidden=top_k * hidden + hidden,
         qk_norm="per_head",
+        norm_placement="peri" if peri_norm else "reordered",
+        embedding_scale=math.sqrt(d_model),
+        embedding_norm=True,
         sliding_window=None,
         init_std=0.01,
         z_loss_weight=1e-4,
@@ -133,11 +141,9 @@ def _olmoe3(
 
 
 # OLMo-core 3's reference configurations, pinned by its src/test/examples/olmo_ddp_tech_report_test.py
-# (active / total parameters in tests/test_olmoe3_presets.py). Not expressed here: the scripts' blocks
-# are peri-norm (an input RMSNorm before attention and before the MLP besides the two output norms)
-# and the embedding is scaled by sqrt(d_model) and RMS-normalised; these presets are reordered-norm
-# blocks over a plain embedding (the spec has neither option yet), which changes no matmul shape and
-# the parameter count by (2 * n_layers + 1) * d_model norm weights.
+# (active / total parameters in tests/test_olmoe3_presets.py, exactly OLMo-core 3.0.0's own counts).
+# Every script's model embeds, scales by sqrt(d_model) and RMS-normalises; the OLMoE3-dev scripts'
+# blocks, dense leading ones included, are peri-norm, the benchmark's reordered-norm.
 _OLMOE3: dict[str, dict[str, Any]] = {
     # OLMoE3-dev-t001.py (Tiny-64E). OLMoE3-dev-t002.py is the same model at EP 8 (no separate preset).
     "olmoe3-t001": _olmoe3(
@@ -168,7 +174,8 @@ _OLMOE3: dict[str, dict[str, Any]] = {
         d_model=6144, n_layers=63, n_heads=64, n_kv_heads=32, n_experts=256, hidden=8192, n_dense=2, lb_loss=0.005
     ),
     # The expert-pool benchmark, moe_8l_common.py / moe_8l_ddp.py (TECH_REPORT_NUM_EXPERTS 8, 32, 64,
-    # 128): 8 layers, the first dense; its blocks are reordered-norm (use_peri_norm=False there).
+    # 128): 8 layers, the first dense; its blocks are reordered-norm (use_peri_norm=False there),
+    # its embedding scaled and normalised as the OLMoE3-dev scripts'.
     **{
         f"olmoe3-bench-e{n}": _olmoe3(
             d_model=4096,
@@ -180,14 +187,16 @@ _OLMOE3: dict[str, dict[str, Any]] = {
             n_dense=1,
             lb_loss=0.015,
             router_z_loss=1e-4,
+            peri_norm=False,
         )
         for n in (8, 32, 64, 128)
     },
 }
 
 # olmoe3-t001 at test size for the twins: its features exactly (one dense leading block of hidden
-# top_k * hidden + hidden, GQA 4:1, per-head QK-norm, full attention on every layer, the router's
-# renormalised top-4 weights scaled to sum to 4) at d_model 64 and the tiny vocab.
+# top_k * hidden + hidden, GQA 4:1, per-head QK-norm, peri-norm blocks, the embedding times
+# sqrt(d_model) and RMS-normalised, full attention on every layer, the router's renormalised top-4
+# weights scaled to sum to 4) at d_model 64 and the tiny vocab.
 _TINY["tiny-olmoe3"] = {
     **_olmoe3(d_model=64, n_layers=4, n_heads=4, n_kv_heads=1, n_experts=8, hidden=32, n_dense=1, lb_loss=0.01),
     **{k: v for k, v in _TINY_COMMON.items() if k != "sliding_window"},

@@ -6,8 +6,9 @@ as torch.nn.Linear does), so the same dict loads into transformers and into eith
 
 What it computes, block by block (Olmo 3, see docs/design.md):
 
-- embedding lookup; per layer the reordered norm h = x + RMSNorm(attn(x)),
-  out = h + RMSNorm(mlp(h)); a final RMSNorm; an untied output head;
+- embedding lookup (optionally times ``embedding_scale``, then an RMSNorm); per layer the
+  reordered norm h = x + RMSNorm(attn(x)), out = h + RMSNorm(mlp(h)) (or pre-norm, or peri-norm:
+  both, see ``block``); a final RMSNorm; an untied output head;
 - RMSNorm(x) = x / sqrt(mean(x^2) + eps) * w;
 - QK-norm over the full projected width before splitting heads ("full"), per head
   ("per_head"), or none; always before RoPE;
@@ -242,6 +243,47 @@ def moe_block(moe: MoESpec, p: Params, prefix: str, x: np.ndarray) -> tuple[np.n
 # ---- the model ------------------------------------------------------------------------
 
 
+def embed(spec: ModelSpec, p: Params, ids: np.ndarray) -> np.ndarray:
+    """The embedding rows of ``ids``, times ``embedding_scale`` and then RMS-normalised with
+    ``model.embed_norm`` where the spec says so (OLMo-core 3: scale first, then the norm)."""
+    x = p["model.embed_tokens.weight"][ids]
+    if spec.embedding_scale is not None:
+        x = x * spec.embedding_scale
+    if spec.embedding_norm:
+        x = rms_norm(x, p["model.embed_norm.weight"], spec.norm_eps)
+    return x
+
+
+def block(spec: ModelSpec, p: Params, i: int, x: np.ndarray) -> tuple[np.ndarray, tuple[float, float] | None]:
+    """Layer ``i`` on x [B, S, d]: the new residual stream and, for an MoE layer, its
+    (load-balancing, router z) losses. reordered: h = x + norm(attn(x)), out = h + norm(mlp(h));
+    pre: h = x + attn(norm(x)), out = h + mlp(norm(h)); peri: h = x + norm(attn(in_norm(x))),
+    out = h + norm(mlp(in_norm'(h))), the input norms input_layernorm / pre_feedforward_layernorm."""
+    eps = spec.norm_eps
+    pre = f"model.layers.{i}."
+    attn_norm, mlp_norm = p[pre + "post_attention_layernorm.weight"], p[pre + "post_feedforward_layernorm.weight"]
+    placement = spec.norm_placement
+    if placement == "pre":
+        x = x + attention(spec, p, pre + "self_attn.", i, rms_norm(x, attn_norm, eps))
+    else:
+        a = rms_norm(x, p[pre + "input_layernorm.weight"], eps) if placement == "peri" else x
+        x = x + rms_norm(attention(spec, p, pre + "self_attn.", i, a), attn_norm, eps)
+    if placement == "pre":
+        y = rms_norm(x, mlp_norm, eps)
+    else:
+        y = rms_norm(x, p[pre + "pre_feedforward_layernorm.weight"], eps) if placement == "peri" else x
+    routing = None
+    if spec.is_moe_layer(i):
+        assert spec.moe is not None
+        b, s, d = x.shape
+        m, lb, z = moe_block(spec.moe, p, pre + "mlp.", y.reshape(b * s, d))
+        m = m.reshape(b, s, d)
+        routing = (lb, z)
+    else:
+        m = swiglu(y, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"])
+    return x + (m if placement == "pre" else rms_norm(m, mlp_norm, eps)), routing
+
+
 def forward_with_aux(spec: ModelSpec, params: Params, input_ids: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
     """Logits float64 [B, S, padded_vocab] and, for MoE specs, the unweighted auxiliary
     losses averaged over the MoE layers (keys load_balancing_loss, router_z_loss; empty
@@ -256,31 +298,15 @@ def forward_with_aux(spec: ModelSpec, params: Params, input_ids: np.ndarray) -> 
             f"got [{ids.min()}, {ids.max()}]"
         )
     p = {name: np.asarray(value, dtype=np.float64) for name, value in params.items()}
-    eps = spec.norm_eps
-    x = p["model.embed_tokens.weight"][ids]
-    b, s, d = x.shape
+    x = embed(spec, p, ids)
     lb_losses: list[float] = []
     z_losses: list[float] = []
-    pre_norm = spec.norm_placement == "pre"
     for i in range(spec.n_layers):
-        pre = f"model.layers.{i}."
-        attn_norm, mlp_norm = p[pre + "post_attention_layernorm.weight"], p[pre + "post_feedforward_layernorm.weight"]
-        if pre_norm:  # h = x + attn(norm(x)); out = h + mlp(norm(h))
-            x = x + attention(spec, p, pre + "self_attn.", i, rms_norm(x, attn_norm, eps))
-        else:  # reordered: h = x + norm(attn(x)); out = h + norm(mlp(h))
-            x = x + rms_norm(attention(spec, p, pre + "self_attn.", i, x), attn_norm, eps)
-        y = rms_norm(x, mlp_norm, eps) if pre_norm else x
-        if spec.is_moe_layer(i):
-            assert spec.moe is not None
-            m, lb, z = moe_block(spec.moe, p, pre + "mlp.", y.reshape(b * s, d))
-            m = m.reshape(b, s, d)
-            lb_losses.append(lb)
-            z_losses.append(z)
-        else:
-            m = swiglu(
-                y, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"], p[pre + "mlp.down_proj.weight"]
-            )
-        x = x + (m if pre_norm else rms_norm(m, mlp_norm, eps))
+        x, routing = block(spec, p, i, x)
+        if routing is not None:
+            lb_losses.append(routing[0])
+            z_losses.append(routing[1])
+    eps = spec.norm_eps
     x = rms_norm(x, p["model.norm.weight"], eps)
     logits = x @ p["lm_head.weight"].T
     aux: dict[str, float] = {}

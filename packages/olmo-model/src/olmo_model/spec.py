@@ -5,7 +5,10 @@ trainer cannot disagree on the model they build:
 
 - reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h));
   no input norms, a final RMSNorm before the untied output head (``norm_placement="pre"``
-  moves the two norms to the sublayer inputs, as OLMoE and Llama place them);
+  moves the two norms to the sublayer inputs, as OLMoE and Llama place them; ``"peri"`` keeps
+  the output norms and adds an input norm to each sublayer, OLMo-core 3's use_peri_norm);
+- optionally the embedding scaled (``embedding_scale``) and then RMS-normalised
+  (``embedding_norm``), as OLMo-core 3's OLMoE3 models do (scale sqrt(d_model), then norm);
 - QK-norm over the full projected width (Olmo 3) or per head; a head width of d_model / n_heads
   unless ``head_dim`` says otherwise;
 - a per-layer attention kind: "sliding_attention" (window `sliding_window`) or
@@ -100,8 +103,14 @@ class ModelSpec(_Frozen):
     # Where a block's two RMSNorms sit. reordered (Olmo 3): h = x + norm(attn(x)),
     # out = h + norm(mlp(h)); pre (OLMoE, Llama): h = x + attn(norm(x)), out = h + mlp(norm(h)).
     # The same two norm weights (post_attention_layernorm / post_feedforward_layernorm in our
-    # HF names: the attention sublayer's norm and the MLP sublayer's) either way.
-    norm_placement: Literal["reordered", "pre"] = "reordered"
+    # HF names: the attention sublayer's norm and the MLP sublayer's) either way. peri (OLMo-core
+    # 3's use_peri_norm): h = x + norm(attn(in_norm(x))), out = h + norm(mlp(in_norm'(h))), two
+    # more weights per layer (input_layernorm and pre_feedforward_layernorm, Gemma 2's names).
+    norm_placement: Literal["reordered", "pre", "peri"] = "reordered"
+    # The embedding output times embedding_scale (null: 1), then, with embedding_norm, an RMSNorm
+    # with its own weight (model.embed_norm): OLMo-core 3's embed_scale and embedding_norm.
+    embedding_scale: float | None = Field(None, gt=0)
+    embedding_norm: bool = False
     rope_theta: float = Field(500_000.0, gt=0)
     yarn: YarnSpec | None = None  # applied to full_attention layers only (Olmo 3 stage 3)
     sliding_window: int | None = 4096  # keys a sliding layer's query sees, itself included

@@ -32,6 +32,7 @@ from .model import OlmoModel
 # HF name -> (attribute of OlmoModel, whether the HF tensor is a transposed (out, in) linear).
 _TOP: dict[str, tuple[str, bool]] = {
     "model.embed_tokens.weight": ("embed", False),
+    "model.embed_norm.weight": ("embed_norm", False),
     "model.norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
 }
@@ -43,7 +44,9 @@ _LAYER: dict[str, tuple[str, bool]] = {
     "self_attn.o_proj.weight": ("o_proj", True),
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
+    "input_layernorm.weight": ("attn_in_norm", False),
     "post_attention_layernorm.weight": ("attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_in_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),

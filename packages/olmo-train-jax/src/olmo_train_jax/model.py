@@ -4,7 +4,9 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
 
 - reordered-norm blocks: h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h)); no input
   norms (``spec.norm_placement="pre"``, OLMoE's pre-norm: h = x + attn(RMSNorm(x)); out =
-  h + mlp(RMSNorm(h))); a final RMSNorm, then an untied output head over the padded vocabulary;
+  h + mlp(RMSNorm(h)); ``"peri"``, OLMo-core 3's peri-norm: the output norms plus an input norm
+  on each sublayer); the embedding optionally scaled and RMS-normalised (``embedding_scale``,
+  ``embedding_norm``); a final RMSNorm, then an untied output head over the padded vocabulary;
 - QK-norm over the full projected width, before the head split and before RoPE
   (``qk_norm="per_head"`` normalises each head instead, ``"none"`` skips it);
 - RoPE in the rotate-half layout, inverse frequencies in float32 as transformers computes
@@ -143,6 +145,9 @@ class StackedLayers(nnx.Module):
         elif spec.qk_norm == "per_head":
             self.q_norm = _ones((L, spec.head_dim), param_dtype)
             self.k_norm = _ones((L, spec.head_dim), param_dtype)
+        if spec.norm_placement == "peri":  # OLMo-core 3's input norms, besides the output norms
+            self.attn_in_norm = _ones((L, d), param_dtype)
+            self.mlp_in_norm = _ones((L, d), param_dtype)
         self.attn_norm = _ones((L, d), param_dtype)
         if n_moe < L:
             self.gate_proj = _truncated_normal(rngs, (L - n_moe, d, h), spec, param_dtype)
@@ -214,6 +219,8 @@ class OlmoModel(nnx.Module):
         self.context: ContextParallel | None = None
         V, d = spec.padded_vocab_size, spec.d_model
         self.embed = _truncated_normal(rngs, (V, d), spec, param_dtype)
+        if spec.embedding_norm:
+            self.embed_norm = _ones((d,), param_dtype)
         self.layers = StackedLayers(spec, rngs, param_dtype)
         self.final_norm = _ones((d,), param_dtype)
         self.lm_head = _truncated_normal(rngs, (d, V), spec, param_dtype)
@@ -309,10 +316,20 @@ class OlmoModel(nnx.Module):
         """The output head [d_model, padded_vocab] in the compute dtype."""
         return self.lm_head[...].astype(self.dtype)
 
+    def _embed(self, input_ids: jax.Array) -> jax.Array:
+        """The embedding rows in the compute dtype, times spec.embedding_scale, then embed_norm
+        (OLMo-core 3's order: scale first)."""
+        x = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
+        if self.spec.embedding_scale is not None:
+            x = x * self.spec.embedding_scale
+        if self.spec.embedding_norm:
+            x = rms_norm(x, self.embed_norm[...], self.spec.norm_eps, self.context is None)
+        return x
+
     def _forward(self, input_ids, doc_ids, routing, routing_key, positions):
-        spec, dtype = self.spec, self.dtype
+        spec = self.spec
         seq_len = input_ids.shape[1]
-        x = self._place(jnp.take(self.embed[...], input_ids, axis=0).astype(dtype))
+        x = self._place(self._embed(input_ids))
         if positions is None:
             positions = jnp.arange(seq_len, dtype=jnp.int32)
         rope: dict[str, tuple[jax.Array, jax.Array]] = {
@@ -400,9 +417,9 @@ class OlmoModel(nnx.Module):
         def norm(a, weight):
             return rms_norm(a, weight, eps, flat)
 
-        # norm_placement: reordered (Olmo 3) normalises each sublayer's output, pre its input.
+        # norm_placement: reordered (Olmo 3) normalises each sublayer's output, pre its input, peri both.
         pre_norm = spec.norm_placement == "pre"
-        a = norm(x, w["attn_norm"]) if pre_norm else x
+        a = _sublayer_input(x, w, "attn", pre_norm, norm)
         q, k, v = proj(a, "q_proj"), proj(a, "k_proj"), proj(a, "v_proj")
         if spec.qk_norm == "full":
             q, k = norm(q, w["q_norm"]), norm(k, w["k_norm"])
@@ -418,7 +435,7 @@ class OlmoModel(nnx.Module):
             attn = attention(q, k, v, window, inputs.doc_ids, self.attention, self.batch_shards, self.platform)
         o = proj(attn.reshape(B, S, spec.q_width), "o_proj")
         h = x + (o if pre_norm else norm(o, w["attn_norm"]))
-        m_in = norm(h, w["mlp_norm"]) if pre_norm else h
+        m_in = _sublayer_input(h, w, "mlp", pre_norm, norm)
 
         def finish(mlp):
             return h + (mlp if pre_norm else norm(mlp, w["mlp_norm"]))
@@ -445,6 +462,13 @@ class OlmoModel(nnx.Module):
             sequence_length=S,
         )
         return finish(mlp.reshape(B, S, spec.d_model)), stats
+
+
+def _sublayer_input(a, w: dict[str, jax.Array], sublayer: str, pre_norm: bool, norm):
+    """A sublayer's ("attn" / "mlp") input: through its norm under pre-norm, through its input norm
+    under peri-norm (``attn_in_norm`` / ``mlp_in_norm``), as is under the reordered placement."""
+    name = f"{sublayer}_norm" if pre_norm else f"{sublayer}_in_norm"
+    return norm(a, w[name]) if name in w else a
 
 
 def build_model(

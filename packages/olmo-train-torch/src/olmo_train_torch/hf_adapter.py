@@ -45,7 +45,9 @@ _LAYER_NAMES = {
     "self_attn.o_proj.weight": "attn.o_proj.weight",
     "self_attn.q_norm.weight": "attn.q_norm.weight",
     "self_attn.k_norm.weight": "attn.k_norm.weight",
+    "input_layernorm.weight": "attn_in_norm.weight",
     "post_attention_layernorm.weight": "attn_norm.weight",
+    "pre_feedforward_layernorm.weight": "mlp_in_norm.weight",
     "mlp.gate_proj.weight": "mlp.gate_proj.weight",
     "mlp.up_proj.weight": "mlp.up_proj.weight",
     "mlp.down_proj.weight": "mlp.down_proj.weight",
@@ -55,6 +57,7 @@ _LAYER_NAMES = {
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _TOP_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
+    "model.embed_norm.weight": "embed_norm.weight",
     "model.norm.weight": "final_norm.weight",
     "lm_head.weight": "lm_head.weight",
 }

@@ -5,7 +5,9 @@ Architecture (docs/design.md; transformers' ``Olmo3ForCausalLM`` is the referenc
 - untied token embedding ``embed`` and output head ``lm_head`` over the padded vocab;
 - reordered-norm blocks, no input norms:
   ``h = x + RMSNorm(attn(x)); out = h + RMSNorm(mlp(h))``; a final RMSNorm
-  (``spec.norm_placement="pre"``: ``h = x + attn(RMSNorm(x)); out = h + mlp(RMSNorm(h))``, OLMoE);
+  (``spec.norm_placement="pre"``: ``h = x + attn(RMSNorm(x)); out = h + mlp(RMSNorm(h))``, OLMoE;
+  ``"peri"``: the output norms plus an input norm on each sublayer, OLMo-core 3's peri-norm);
+- the embedding optionally times ``spec.embedding_scale`` and then ``embed_norm`` (OLMo-core 3);
 - RMSNorm computes in float32 and casts back to the input dtype;
 - QK-norm over the full projected width before splitting heads and before RoPE
   (``qk_norm="full"``, Olmo 3), or per head (``"per_head"``), or none;
@@ -147,28 +149,39 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer (``spec.norm_placement``: reordered, Olmo 3, or pre-norm); its
+    """One decoder layer (``spec.norm_placement``: reordered, Olmo 3, pre-norm, or peri-norm: the
+    reordered output norms plus an input norm on each sublayer, OLMo-core 3's use_peri_norm); its
     attention kind and RoPE come from the caller."""
 
     def __init__(self, spec: ModelSpec, mlp: nn.Module | None = None):
         super().__init__()
         self.pre_norm = spec.norm_placement == "pre"
+        peri = spec.norm_placement == "peri"
+        self.attn_in_norm = RMSNorm(spec.d_model, spec.norm_eps) if peri else None
         self.attn = Attention(spec)
         self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.mlp_in_norm = RMSNorm(spec.d_model, spec.norm_eps) if peri else None
         self.mlp = mlp if mlp is not None else MLP(spec)
         self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
 
     def _attend(self, x, cos, sin, mask) -> torch.Tensor:
-        """h = x + norm(attn(x)) (reordered) or x + attn(norm(x)) (pre)."""
+        """h = x + norm(attn(x)) (reordered), x + attn(norm(x)) (pre) or x + norm(attn(in_norm(x)))
+        (peri)."""
         if self.pre_norm:
             return x + self.attn(self.attn_norm(x), cos, sin, mask)
-        return x + self.attn_norm(self.attn(x, cos, sin, mask))
+        a = x if self.attn_in_norm is None else self.attn_in_norm(x)
+        return x + self.attn_norm(self.attn(a, cos, sin, mask))
+
+    def _mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP's input: h, or h through the MLP's input norm (pre: mlp_norm; peri: mlp_in_norm)."""
+        if self.pre_norm:
+            return self.mlp_norm(h)
+        return h if self.mlp_in_norm is None else self.mlp_in_norm(h)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionArg) -> torch.Tensor:
         h = self._attend(x, cos, sin, mask)
-        if self.pre_norm:
-            return h + self.mlp(self.mlp_norm(h))
-        return h + self.mlp_norm(self.mlp(h))
+        m = self.mlp(self._mlp_input(h))
+        return h + (m if self.pre_norm else self.mlp_norm(m))
 
 
 class MoEBlock(Block):
@@ -184,11 +197,8 @@ class MoEBlock(Block):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionArg
     ) -> tuple[torch.Tensor, RoutingSums]:
         h = self._attend(x, cos, sin, mask)
-        if self.pre_norm:
-            m, stats = self.mlp(self.mlp_norm(h))
-            return h + m, stats
-        m, stats = self.mlp(h)
-        return h + self.mlp_norm(m), stats
+        m, stats = self.mlp(self._mlp_input(h))
+        return h + (m if self.pre_norm else self.mlp_norm(m)), stats
 
 
 class OutputHead(nn.Linear):
@@ -216,6 +226,7 @@ class OlmoModel(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.padded_vocab_size, spec.d_model)
+        self.embed_norm = RMSNorm(spec.d_model, spec.norm_eps) if spec.embedding_norm else None
         self.blocks = nn.ModuleList(
             MoEBlock(spec, i) if spec.is_moe_layer(i) else Block(spec) for i in range(spec.n_layers)
         )
@@ -267,6 +278,13 @@ class OlmoModel(nn.Module):
         return self._band(seq, window, device) & same_doc
 
     # ---- forward ----------------------------------------------------------------------
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows, times spec.embedding_scale, then embed_norm (OLMo-core 3's order)."""
+        x = self.embed(input_ids)
+        if self.spec.embedding_scale is not None:
+            x = x * self.spec.embedding_scale
+        return x if self.embed_norm is None else self.embed_norm(x)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -308,7 +326,7 @@ class OlmoModel(nn.Module):
             # In layer order, not set order: making one may run a collective, the same on all ranks.
             positions = context.positions(seq, device)
             masks = {w: context.attention(w, seq, doc_ids) for w in dict.fromkeys(windows)}
-        x = self.embed(input_ids)
+        x = self._embed(input_ids)
         moe_stats: list[RoutingSums] = []
         for i, block in enumerate(self.blocks):
             if context is None:
