@@ -9,7 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from olmo_model import SpecError, get_preset, hf_config, hf_param_shapes, param_counts, spec_from_dict
+from olmo_model import (
+    HFLayoutError,
+    SpecError,
+    get_preset,
+    hf_config,
+    hf_param_shapes,
+    param_counts,
+    spec_from_dict,
+    validate_hf_tensors,
+)
 from olmo_model import reference as ref
 from olmo_model.hf_moe import olmoe_config
 
@@ -127,3 +136,17 @@ def test_the_olmoe3_presets_use_them():
         assert spec.embedding_scale == pytest.approx(spec.d_model**0.5, rel=1e-15), name
     bench = get_preset("olmoe3-bench-e128")
     assert bench.norm_placement == "reordered" and bench.embedding_norm and bench.embedding_scale == 64.0
+
+
+def test_a_peri_norm_checkpoint_for_a_reordered_spec_says_so():
+    """A peri-norm model's tensors read with a spec that lacks norm_placement: peri: the one-line
+    error names the fix."""
+    plain = DENSE.replace(norm_placement="reordered")
+    shapes = hf_param_shapes(DENSE)
+    with pytest.raises(HFLayoutError, match="input_layernorm.* a peri-norm model .*set norm_placement: peri"):
+        validate_hf_tensors(plain, shapes, "ckpt")
+    without_input = {k: v for k, v in shapes.items() if not k.endswith("input_layernorm.weight")}
+    with pytest.raises(HFLayoutError, match="pre_feedforward_layernorm.* a peri-norm layer .*set norm_placement: peri"):
+        validate_hf_tensors(plain, without_input, "ckpt")
+    with pytest.raises(HFLayoutError, match="embed_norm.* set embedding_norm: true"):
+        validate_hf_tensors(DENSE.replace(embedding_norm=False), shapes, "ckpt")

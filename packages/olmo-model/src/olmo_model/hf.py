@@ -227,6 +227,8 @@ def _unexpected_fix(spec: ModelSpec, name: str) -> str:
         "build the spec from the checkpoint's config.json (olmo_model.spec_from_hf_config), "
         "or check n_layers/qk_norm/moe"
     )
+    if name == "model.embed_norm.weight":
+        return "an embedding norm (OLMo-core 3's embedding_norm): set embedding_norm: true (and its embedding_scale)"
     match = _LAYER_NAME.fullmatch(name)
     if match is None:
         return generic
@@ -246,8 +248,11 @@ def _unexpected_fix(spec: ModelSpec, name: str) -> str:
         return (
             "a pre-norm (OLMoE/Llama) layer: for an OLMoE checkpoint build the spec with "
             "olmo_model.hf_moe.spec_from_olmoe_config (norm_placement='pre') and convert the "
-            "tensors with olmo_model.hf_moe.tensors_from_olmoe"
+            "tensors with olmo_model.hf_moe.tensors_from_olmoe; with pre_feedforward_layernorm as well, "
+            "a peri-norm model (OLMo-core 3's use_peri_norm): set norm_placement: peri"
         )
+    if suffix == "pre_feedforward_layernorm.weight":
+        return "a peri-norm layer (input norms besides the output norms, OLMo-core 3): set norm_placement: peri"
     if _MOE_SUFFIX.fullmatch(suffix) and not spec.is_moe_layer(layer):
         return (
             f"an MoE tensor, but layer {layer} of the spec is dense: give the spec a moe section "
