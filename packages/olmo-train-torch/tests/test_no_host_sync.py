@@ -5,9 +5,11 @@ the embedded sample mixture, dense (``tiny``) and MoE (``tiny-moe``), with ``log
 From the start of a non-log step's ``train_step`` to the start of the next step's, every
 tensor-to-host read torch exposes to Python (``Tensor.item``, ``tolist``, ``cpu``, ``numpy``,
 ``__bool__``, ``__float__``, ``__int__``, ``__index__``) raises and is noted; none may happen.
-One kind of call is let through: torch.optim reading the step counts that AdamW keeps in host
-tensors when its update is not fused (the CPU's foreach path; on CUDA the trainer's AdamW is
-fused and keeps them on the device), which costs no synchronisation.
+Two kinds of call are let through, reads of host tensors that cost no synchronisation:
+torch.optim reading the step counts that AdamW keeps in host tensors when its update is not
+fused (the CPU's foreach path; on CUDA the trainer's AdamW is fused and keeps them on the
+device), and, with several processes, the sizes that ``all_gather_object`` reads for the
+preemption check's agreement (over gloo: on GPUs the module gathers over a gloo group).
 
 The numbers are today's (the design keeps them): a ``log.every`` 1 run's train lines equal,
 bitwise, a reference that runs the same steps the way the trainer did before (each figure read
@@ -19,11 +21,13 @@ an LR that makes it skip; and a ``log.every`` 3 run logs at steps 3 and 6 exactl
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ranks import start_ranks
 
 from olmo_model.moe import MOE_KEYS
 from olmo_run import read_inputs
@@ -70,36 +74,43 @@ def train_lines(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in lines if r["kind"] == "train"}
 
 
-def host_step_count(tensor: torch.Tensor) -> bool:
-    """AdamW's step count in a host tensor, read by torch.optim (no synchronisation)."""
+def host_side(tensor: torch.Tensor) -> bool:
+    """A read of a host tensor that costs no synchronisation: AdamW's step count read by
+    torch.optim, or the sizes of an object collective over gloo (the preemption check's
+    agreement between processes, which goes over gloo on GPUs too)."""
     caller = sys._getframe(2).f_code.co_filename
-    return tensor.device.type == "cpu" and tensor.dim() == 0 and "/torch/optim/" in caller
+    optim = tensor.dim() == 0 and "/torch/optim/" in caller
+    return tensor.device.type == "cpu" and (optim or "/torch/distributed/distributed_c10d.py" in caller)
 
 
-@pytest.fixture
-def trapped(monkeypatch):
-    """Trap host reads on non-log steps (every step but multiples of 3); the reads seen."""
+def install_traps(patch) -> list[str]:
+    """Trap host reads on non-log steps (every step but multiples of 3), each trap set with
+    ``patch(owner, name, value)``; the reads seen."""
     seen: list[str] = []
     armed = [False]
     for name in TRAPPED:
         original = getattr(torch.Tensor, name)
 
         def trap(self, *a, _name=name, _original=original, **k):
-            if armed[0] and not host_step_count(self):
+            if armed[0] and not host_side(self):
                 seen.append(f"{_name} at {sys._getframe(1).f_code.co_filename}:{sys._getframe(1).f_lineno}")
                 raise AssertionError(f"host read Tensor.{_name} on a non-log step")
             return _original(self, *a, **k)
 
-        monkeypatch.setattr(torch.Tensor, name, trap)
+        patch(torch.Tensor, name, trap)
     step = TorchTrainModule.train_step
 
     def marked(self, batch, n, lr, guard, metrics):
         armed[0] = n % 3 != 0
         return step(self, batch, n, lr, guard, metrics)
 
-    monkeypatch.setattr(TorchTrainModule, "train_step", marked)
-    yield seen
-    armed[0] = False
+    patch(TorchTrainModule, "train_step", marked)
+    return seen
+
+
+@pytest.fixture
+def trapped(monkeypatch):
+    return install_traps(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
@@ -108,6 +119,25 @@ def test_non_log_steps_read_nothing_to_the_host(model, trapped, tmp_path):
     assert main(args(model, run_dir, 3, *GUARD)) == 0
     assert trapped == []
     assert sorted(train_lines(run_dir)) == [3, 6]
+
+
+def _ep_rank(rank: int, port: int, run_dir: Path, out: Path) -> None:
+    """One rank of the EP 2 run, as torchrun starts it; its trapped reads go to ``out``."""
+    env = dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(env)
+    seen = install_traps(setattr)
+    ep = ["--torch.parallel=ddp", "--torch.expert_parallel=2", "--moe.capacity_factor=1.25"]
+    code = main(args("tiny-moe", run_dir, 3, *ep))
+    (out / f"rank{rank}.json").write_text(json.dumps({"code": code, "seen": seen}))
+
+
+def test_expert_parallel_2_with_a_capacity_factor_reads_nothing_on_non_log_steps(tmp_path):
+    """Two processes (gloo): expert parallelism needs a rank per expert shard. DDP over 2 ranks,
+    the experts split over them, ``moe.capacity_factor`` 1.25 (static all-to-all splits)."""
+    start_ranks(_ep_rank, 2, tmp_path / "run", tmp_path)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"code": 0, "seen": []}
+    assert sorted(train_lines(tmp_path / "run")) == [3, 6]
 
 
 def reference_lines(model: str, steps: int) -> dict[int, dict]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from olmo_run import Processes, RunSetup, StepMetrics, Trainer, start
@@ -142,6 +143,9 @@ class TorchTrainModule:
         self.cuda = d.device.type == "cuda"
         self.peak_before = 0.0  # the CUDA memory peak before this step's reset (start-up's included)
         self.guard: DeviceSpikeGuard | None = None  # the spike guard's history, on the device from step 1
+        # Every rank builds its module at the same point: the group is made in the same order.
+        group = dist.new_group(backend="gloo") if self.cuda and d.world_size > 1 else None
+        self.text_group = group if isinstance(group, dist.ProcessGroup) else None
         self.checkpointer = Checkpointer(
             setup.run_dir, d, async_save=recipe.checkpoint.async_save, keep=recipe.checkpoint.keep
         )
@@ -219,7 +223,14 @@ class TorchTrainModule:
         self.profiler.export_chrome_trace(str(self.trace_file))
 
     def all_gather_text(self, text: str) -> list[str]:
-        return self.d.all_gather_text(text)
+        """Over gloo on GPUs: the preemption check's agreement (every
+        ``checkpoint.preempt_check_every`` steps) then moves host bytes, not device tensors
+        whose read would synchronise the step."""
+        if self.text_group is None:
+            return self.d.all_gather_text(text)
+        out: list[str] = [""] * self.d.world_size
+        dist.all_gather_object(out, text, group=self.text_group)
+        return out
 
     def close(self) -> None:
         self.checkpointer.close()
