@@ -8,6 +8,7 @@ the fake process group runs the step. Dropless expert parallelism is refused in 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -90,3 +91,21 @@ def test_plan_counts_of_a_torch_block_match_what_autograd_saves(preset):
         assert spec.is_moe_layer(layer) is (layer == 2)
         measured = _saved_bytes_per_token(spec, layer, tokens=1024)
         assert 2 * torch_block_values(spec, layer) == pytest.approx(measured, rel=0.01)
+
+
+def test_olmoe3_blocks_dry_run_over_several_micro_steps(capsys):
+    """tiny-olmoe3 (t001's block kinds: a dense leading block, peri-norm, per-head QK-norm) with two
+    micro-steps of one sequence on 8 FSDP2 ranks: rank 0's parameters are its padded dim-0 shards
+    of every tensor of the model (ceil(rows / 8) rows, fp32; the experts stacked [E, ...]) and AdamW
+    keeps two moments of each and a 4-byte step count per tensor."""
+    args = ["--model=tiny-olmoe3", "--train.sequence_length=256", "--train.global_batch_tokens=4096"]
+    capsys.readouterr()
+    assert main([*args, "--train.micro_batch_size=1", "--dry-run", "--devices", "h100:8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not dist.is_initialized()
+    assert (report["per_device_batch"], report["accumulation_steps"]) == (1, 2)
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in OlmoModel(get_preset("tiny-olmoe3")).parameters()]
+    params = sum(4 * math.ceil(s[0] / 8) * math.prod(s[1:]) for s in shapes)
+    assert report["memory_bytes"]["params"] == params
+    assert report["memory_bytes"]["optimizer"] == 2 * params + 4 * len(shapes)

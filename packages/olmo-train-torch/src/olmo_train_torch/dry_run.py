@@ -96,6 +96,7 @@ def _check_tracker_internals() -> None:
             (MemTracker, "_pre_fw_hook"),
             (FSDPMemTracker, "_update_peak_stats"),
             (FSDPMemTracker, "_update_and_maybe_create_winfos"),
+            (FSDPMemTracker, "_fsdp_state_pre_forward"),
         )
         if not callable(getattr(cls, name, None))
     ]
@@ -164,7 +165,19 @@ class _PeakMemTracker(_PeakOnly):
 
 
 class _PeakFSDPMemTracker(_PeakOnly, FSDPMemTracker):
-    """torch's ``FSDPMemTracker`` keeping the peak only."""
+    """torch's ``FSDPMemTracker`` keeping the peak only. Its per-module stats start again at every
+    forward outside backward: torch's refuses a root module's second forward (the next micro-step)
+    once its module tracker has the root's parents right, which depends on the model's modules."""
+
+    def _fsdp_state_pre_forward(self, fsdp_mod: FSDPModule, orig: Any) -> Any:
+        inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+        def fresh(*args: Any, **kwargs: Any) -> Any:
+            if not self._mod_tracker.is_bw:
+                self.memory_tracking.pop(fsdp_mod, None)
+            return inner(*args, **kwargs)
+
+        return fresh
 
 
 def _tracker(
