@@ -331,7 +331,9 @@ def routing_stats(stats: list[RoutingSums], group=None) -> RoutingStats:
                 torch.stack(
                     [
                         s.z_sum.float(),
-                        s.z_sum.new_tensor(float(s.n_tokens)),
+                        # A fill on the device: new_tensor would copy a host scalar, which on
+                        # CUDA waits for the stream (a synchronisation every MoE layer).
+                        torch.full_like(s.z_sum, s.n_tokens, dtype=torch.float32),
                         s.dropped.to(s.z_sum.device, torch.float32),
                     ]
                 ),
