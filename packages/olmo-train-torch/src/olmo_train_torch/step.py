@@ -271,6 +271,15 @@ def accumulate_gradients(
     return sums, n_global, moe_terms
 
 
+def batch_tensor(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``rows`` as int64 on ``device``. To a GPU from pinned memory without waiting: a copy from
+    pageable memory waits for the stream (a synchronisation every step)."""
+    t = torch.from_numpy(rows.astype(np.int64, copy=False))
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -288,7 +297,7 @@ def train_step(
     rank's slice of a global batch, reading nothing to the host: its figures stay on the
     device (``StepStats.read`` reads them); ``guard`` (None: no spike guard) decides there
     whether the update is undone (``spike_guard.step_unless``)."""
-    tensors = {k: torch.from_numpy(batch[k]).to(d.device, dtype=torch.long) for k in ("input_ids", "labels", "doc_ids")}
+    tensors = {k: batch_tensor(batch[k], d.device) for k in ("input_ids", "labels", "doc_ids")}
     sums, n_global, moe_terms = accumulate_gradients(
         model, tensors, layout=layout, d=d, spec=spec, recipe=recipe, step=step
     )
