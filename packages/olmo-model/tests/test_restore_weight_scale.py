@@ -91,7 +91,7 @@ def test_reference_head_dim_matches_transformers(olmo3_float64):
     spec = get_preset("tiny-gqa").replace(head_dim=24)
     assert (spec.q_width, spec.kv_width) == (96, 48)
     params = ref.init_params(spec, seed=2)
-    cfg = transformers.Olmo3Config(**hf_config(spec), head_dim=spec.head_dim)
+    cfg = transformers.Olmo3Config(**hf_config(spec))  # hf_config writes head_dim
     cfg._attn_implementation = "sdpa"  # eager attention softmaxes in float32
     model = transformers.Olmo3ForCausalLM(cfg).double().eval()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v, np.float64)) for k, v in params.items()}, strict=True)
