@@ -14,9 +14,10 @@ Memory model (per device, bytes):
   divided over the sharding group (JAX: fsdp x tensor axes, with data = -1 meaning pure FSDP
   when fsdp is -1; Torch: FSDP over the world, HSDP over world / replicate, DDP: none); with
   expert parallelism the routed experts' state is divided as the trainers place it instead
-  (``_expert_shard``: JAX over expert x fsdp, the expert axis carrying data like ``data``;
+  (``_framework_layout``: JAX over expert x fsdp, the expert axis carrying data like ``data``;
   torch over ``torch.expert_parallel`` only, its experts never FSDP-sharded nor gathered);
-- gathered weights: bf16 copies of two blocks (the one computing and the one prefetched);
+- gathered weights: bf16 copies of two blocks (the one computing and the one prefetched; the
+  experts of a block as ``plan_moe.gathered_block_params`` places them);
 - activations per micro-batch, bf16, counted per tensor a block keeps for backward: torch layer
   by layer as autograd saves them (``plan_moe``: 10d + 6q + 6kv for attention and norms, 4ff for a
   dense MLP, k (3d + 4h) + 4 h_shared + 3d + 4E for an MoE one), with activation checkpointing the
