@@ -19,8 +19,9 @@ Memory model (per device, bytes):
 - gathered weights: bf16 copies of two blocks (the one computing and the one prefetched; the
   experts of a block as ``plan_moe.gathered_block_params`` places them);
 - activations per micro-batch, bf16, counted per tensor a block keeps for backward: torch layer
-  by layer as autograd saves them (``plan_moe``: 10d + 6q + 6kv for attention and norms, 4ff for a
-  dense MLP, k (3d + 4h) + 4 h_shared + 3d + 4E for an MoE one), with activation checkpointing the
+  by layer as autograd saves them (``plan_moe``: 10d + 6q + 6kv for attention and norms, 8d more
+  with peri-norm, 4ff for a dense MLP, k (3d + 4h) + 4 h_shared + 2d + 4E for an MoE one, on the
+  capacity buffer rho k (d + 4h) + kd for its routed part), with activation checkpointing the
   block inputs (d) plus the largest block recomputed; JAX (XLA's choice, fitted): no remat
   6d + 3q + 4kv + 4ff values per token per layer; "save_dots": only the matmul outputs
   (q + 2kv + 2d + 2ff); "block": only the block input (d), plus one block recomputed;
