@@ -310,3 +310,17 @@ def test_a_refused_new_total_prints_both_lrs_so_they_differ():
     assert float(shown_new) == pytest.approx(3e-3 * 1000 / 1001, rel=1e-15)
     assert float(shown_old) == pytest.approx(3e-3 * 999 / 1000, rel=1e-15)
     assert f"{float(shown_new):.4g}" == f"{float(shown_old):.4g}" == "0.002997"  # what used to print
+
+
+def test_turning_the_sharded_optimizer_on_or_off_is_a_layout_change_not_a_maths_change():
+    """optim.sharded places the same AdamW state over the ranks (a layout); a resume may turn it
+    on or off without --checkpoint.allow_recipe_change. Another optim key still counts."""
+    from olmo_run.resume import _maths_changes
+
+    old = load_recipe(None, ["--model=tiny"])
+    sharded = load_recipe(None, ["--model=tiny", "--optim.sharded=true"])
+    assert _maths_changes(old.model_dump(mode="json"), sharded, sharded.model_spec(), 64, 5) == []
+    assert _maths_changes(sharded.model_dump(mode="json"), old, old.model_spec(), 64, 5) == []
+    eps = load_recipe(None, ["--model=tiny", "--optim.sharded=true", "--optim.eps=1e-6"])
+    [(key, a, b, _)] = _maths_changes(old.model_dump(mode="json"), eps, eps.model_spec(), 64, 5)
+    assert (key, a, b) == ("optim.eps", 1e-8, 1e-6)

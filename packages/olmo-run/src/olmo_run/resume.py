@@ -53,7 +53,8 @@ def check_meta_fits(meta: dict[str, Any], ckpt: RunPath, spec: ModelSpec, framew
 # is checked by its fingerprint). train.steps/tokens are compared through the schedule.
 _MATHS_SECTIONS: tuple[tuple[str, Any, tuple[str, ...] | None], ...] = (
     ("train", TrainSection, ("precision", "document_masking", "global_batch_tokens", "sequence_length")),
-    ("optim", OptimSection, None),
+    # optim.sharded places the same AdamW state over ranks: a layout, not the maths.
+    ("optim", OptimSection, tuple(k for k in OptimSection.model_fields if k != "sharded")),
     ("schedule", Schedule, None),
     ("moe", MoESection, None),  # MoE specs only
 )

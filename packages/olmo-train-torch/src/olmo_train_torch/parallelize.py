@@ -302,8 +302,8 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str, ignored: set[nn.Parameter]) -> None:
-    """FSDP2 units: the embedding, each block, the final norm with the output head, then the root
-    (holding no parameter of its own). The head unit stays gathered after its forward: backward
+    """FSDP2 units: the embedding (with its norm, OLMo-core 3's ``embedding_norm``), each block,
+    the final norm with the output head, then the root (holding no parameter of its own). The head unit stays gathered after its forward: backward
     starts there, and resharding would gather it again at once. ``ignored``: parameters left out
     (the experts under expert parallelism)."""
     mp = (
@@ -312,7 +312,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, precision: str, ignored: set[
         else MixedPrecisionPolicy()
     )
     shard = partial(fully_shard, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
-    shard(model.embed)
+    shard([model.embed, model.embed_norm] if model.embed_norm is not None else model.embed)
     for block in cast(nn.ModuleList, model.blocks):
         shard(block)
     shard([model.final_norm, model.lm_head], reshard_after_forward=False)
