@@ -99,6 +99,22 @@ def _losses(d: Distributed, *args: str) -> list[float]:
     return losses
 
 
+def _random_routing_step_keeps_the_frozen_router(d: Distributed) -> None:
+    """Random routing freezes the router (no gradient): its weight must come out of a sharded
+    step unchanged while the trained weights move."""
+    args = ("--model=tiny-moe", "--torch.expert_parallel=2", "--moe.routing=random", *SHARDED)
+    recipe, model, optimizer = _model(d, *args)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    per = ROWS // d.world_size
+    batch = {k: v[d.rank * per : (d.rank + 1) * per] for k, v in _batch(1).items()}
+    layout = batch_layout(ROWS, d.world_size)
+    train_step(model, optimizer, batch, layout=layout, d=d, spec=recipe.model_spec(), recipe=recipe, lr=LR)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    routers = {n for n in before if "router" in n}
+    assert routers and not routers & moved, routers & moved
+    assert "embed.weight" in moved
+
+
 def _worker(rank: int, port: int, want: list[float]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -110,6 +126,7 @@ def _worker(rank: int, port: int, want: list[float]) -> None:
         assert optimizer.local_state_bytes() == TINY_BYTES
         _, _, optimizer = _model(d, "--model=tiny-moe", "--torch.expert_parallel=2", *SHARDED)
         assert optimizer.local_state_bytes() == MOE_BYTES
+        _random_routing_step_keeps_the_frozen_router(d)
 
         got = _losses(d, *SHARDED)
         for step, (a, b) in enumerate(zip(want, got), start=1):

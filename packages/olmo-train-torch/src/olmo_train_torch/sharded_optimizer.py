@@ -113,8 +113,9 @@ class ShardedMasters:
         self.slots = slots
         self.dp_size = dp_size
         self.sync = True  # reduce on this backward (False on accumulation micro-steps but the last)
-        for slot in slots:
-            slot.param.register_post_accumulate_grad_hook(lambda _p, s=slot: self._on_grad(s))
+        for slot in slots:  # a frozen router (random / uniform routing) gets no gradient to reduce
+            if slot.param.requires_grad:
+                slot.param.register_post_accumulate_grad_hook(lambda _p, s=slot: self._on_grad(s))
 
     def _on_grad(self, slot: _Slot) -> None:
         p = slot.param
