@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,7 @@ class Spiky(driver_tests.NumpyModule):
 
     losses: dict[int, float] = {}
     reads: list[int] = []
+    device_seconds = 0.0  # what a read waits for a device still running the steps it reads
 
     def train_step(self, batch, step, lr, guard, metrics) -> None:
         super().train_step(batch, step, lr, guard, metrics)
@@ -45,11 +47,12 @@ class Spiky(driver_tests.NumpyModule):
 
     def to_host(self, values):
         self.reads.append(len(values))
+        time.sleep(self.device_seconds * len(values))
         return super().to_host(values)
 
 
-def go(mixture: Path, run_dir: Path, losses: dict[int, float], *extra: str) -> list[str]:
-    Spiky.losses, Spiky.reads = losses, []
+def go(mixture: Path, run_dir: Path, losses: dict[int, float], *extra: str, device_seconds: float = 0.0) -> list[str]:
+    Spiky.losses, Spiky.reads, Spiky.device_seconds = losses, [], device_seconds
     calls: list[str] = []
     recipe = driver_tests.recipe_for(mixture, run_dir, *CADENCE, *extra)
     plan = driver_tests.resolve_run(driver_tests.read_inputs(recipe), "numpy", loader_ranks=(0, 1), dp_size=2)
@@ -74,6 +77,15 @@ def test_steps_are_read_at_checkpoint_log_and_last_steps_only(mixture, tmp_path)
     go(mixture, tmp_path / "run", {})
     assert Spiky.reads == [4, 1, 1]
     assert [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"] == [5, 6]
+
+
+def test_the_steps_read_together_share_the_wait_for_the_device(mixture, tmp_path):
+    """A device 0.2 s behind per step: the step-5 line (steps 1-5 read at once, no checkpoint
+    before) and the step-6 line each carry at least 0.2 s, not the host's dispatch time alone."""
+    go(mixture, tmp_path / "run", {}, "--checkpoint.every=100", device_seconds=0.2)
+    assert Spiky.reads == [5, 1]
+    lines = {r["step"]: r for r in read_metrics(tmp_path / "run") if r["kind"] == "train"}
+    assert lines[5]["step_time"] >= 0.2 and lines[6]["step_time"] >= 0.2
 
 
 def test_a_non_finite_loss_between_reads_stops_the_run_before_the_next_checkpoint(mixture, tmp_path):

@@ -35,7 +35,10 @@ collects its metrics every ``metrics_collect_interval`` steps the same way):
   3, as a non-finite step without the guard, or too many skips in a row, always did), at the
   latest at that read; a skipped step without a train line gets a console line then;
 - a train line holds its own step's values, the same numbers whatever ``log.every`` is: a
-  run with ``log.every`` 3 logs at steps 3, 6, ... exactly what one with 1 logs there.
+  run with ``log.every`` 3 logs at steps 3, 6, ... exactly what one with 1 logs there; its
+  ``step_time`` (and the throughput from it) is the mean over the steps read together, the
+  wait for the device at the read included, since the host runs ahead of the device between
+  reads.
 """
 
 from __future__ import annotations

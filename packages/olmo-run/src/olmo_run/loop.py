@@ -126,6 +126,7 @@ class Run:
         self.sinks = open_sinks(self.recipe, local_copy(setup.run_dir), enabled=is_main)  # local even for a URL
         self.saved_step = -1
         self.pending: list[tuple[int, StepMetrics]] = []  # steps trained since the last read
+        self.unread_seconds = 0.0  # the host's time in them (batch wait and step calls)
         if setup.resume is not None:
             self.guard.load_state_dict(setup.resume[2].get("spike_guard", {}))
 
@@ -138,13 +139,14 @@ class Run:
             for number in range(start + 1, total + 1):
                 for callback in self.callbacks:
                     callback.before_step(self, number)
-                # The step time includes waiting for the batch, not checkpointing or evaluation.
+                # The step time includes waiting for the batch and, at the read, for the device;
+                # not checkpointing or evaluation.
                 t0 = time.perf_counter()
                 batch = next(batches)
                 data_wait = time.perf_counter() - t0
                 step = Step(number, r.schedule.lr(number, r.optim.lr, total), batch)
                 self.module.train_step(step.batch, number, step.lr, self.guard, step.metrics)
-                step.metrics.record("step_time", time.perf_counter() - t0)
+                self.unread_seconds += time.perf_counter() - t0
                 step.metrics.record("data_wait", data_wait)
                 self.module.poll()
                 self.pending.append((number, step.metrics))
@@ -173,13 +175,19 @@ class Run:
         """The figures of the steps trained since the last read to the host, in one transfer
         (the module's ``to_host``), and their spike-guard decisions replayed in order on the
         driver's history (``SpikeGuard.observe`` raises at the first step that stops the run).
-        A skipped step that has no train line gets a console line."""
+        A skipped step that has no train line gets a console line. The device may run behind
+        the host until this read: the steps read together share one ``step_time``, their
+        host time plus this read's wait, over their count."""
         pending, self.pending = self.pending, []
         if not pending:
             return
+        started = time.perf_counter()
         values = self.module.to_host([metrics.values for _, metrics in pending])
+        seconds = (self.unread_seconds + time.perf_counter() - started) / len(pending)
+        self.unread_seconds = 0.0
         for (number, metrics), host in zip(pending, values, strict=True):
             metrics.values = host
+            metrics.record("step_time", seconds)
             if self.guard.observe(number, host["loss"], host["grad_norm"], host["skipped"]):
                 if not self.is_log_step(number):
                     self.console.line(
