@@ -14,8 +14,9 @@ checkpoint, ``RUN/checkpoints/latest`` or a run dir, local or on ``gs://`` / ``s
     uv run --frozen olmo-convert hf:out/olmo3-1b jax:out/olmo3-1b-jax
 
 With an MoE spec, olmo-core: is OLMo-core 3's OLMoDDP MoE model (olmo_tools.olmo_core_moe; its older
-moe_reordered_norm model is read too), torch: and jax: hold our MoE models, and hf: is refused with
-the reason (transformers has no model for these blocks; tools/README.md says what exports where).
+moe_reordered_norm model is read too), torch: and jax: hold our MoE models, and hf: is transformers'
+OLMoE (olmo_tools.hf_olmoe) where OLMoE can express the spec, refused with the reason otherwise
+(OLMo-core 3's MoE; tools/README.md says what exports where).
 
 An hf: export also gets the tokenizer (``--tokenizer``, a trainer checkpoint's mixture, or an hf:
 source's) and generation_config.json (olmo_tools.hf_tokenizer). Every tensor is checked against
@@ -94,19 +95,18 @@ def convert(
 
 
 def _refuse_moe_hf(dst: str, spec: ModelSpec) -> None:
-    """hf: holds transformers' Olmo3 (dense) layout; the one MoE model transformers has, OLMoE, is
-    pre-norm without shared experts or restored weight scale, which OLMo-core 3's MoE is not."""
+    """An MoE spec exports to hf: as transformers' OLMoE (olmo_tools.hf_olmoe) when OLMoE can express
+    it: pre-norm, no shared expert, no restored weight scale, no embedding norm, heads of d_model /
+    n_heads. OLMo-core 3's MoE is none of these; such a spec is refused with olmoe_config's reason."""
     from olmo_model.hf_moe import olmoe_config
 
     try:
         olmoe_config(spec)
-        why = "an OLMoE export is not written by olmo-convert"
     except SpecError as err:
-        why = str(err)
-    raise CheckpointError(
-        f"{dst}: spec '{spec.name}' is MoE and hf: holds the dense Olmo3 layout ({why}); "
-        "convert to olmo-core:, torch: or jax: instead"
-    )
+        raise CheckpointError(
+            f"{dst}: spec '{spec.name}' is MoE and hf: holds the dense Olmo3 layout ({err}) or an OLMoE model, "
+            "which this spec is not; convert to olmo-core:, torch: or jax: instead"
+        ) from None
 
 
 def _convert_run(src: str, dst: str, *, dtype: torch.dtype | None, overwrite: bool, tokenizer: str | None) -> ModelSpec:

@@ -6,7 +6,8 @@ holds about one tensor in memory:
 
 - ``hf:DIR``: config.json + model.safetensors, or model-0000i-of-0000n.safetensors with
   model.safetensors.index.json; read tensor by tensor with positional reads, written by
-  a streaming writer (the header is known from the spec before any tensor is read).
+  a streaming writer (the header is known from the spec before any tensor is read);
+  transformers' Olmo3 for a dense spec, OLMoE for an MoE spec it can express (``hf_olmoe``).
 - ``olmo-core:PATH``: an OLMo-core model state dict, either a torch ``.pt`` file
   (read with ``torch.load(mmap=True)``) or a torch.distributed.checkpoint directory whose
   model keys sit under ``model.`` (as OLMo-core's ``save_model_and_optim_state`` writes
@@ -37,11 +38,13 @@ from pathlib import Path
 import torch
 
 from olmo_model import ModelSpec, hf_config, hf_param_shapes, spec_from_hf_config
+from olmo_model.hf_moe import olmoe_config, spec_from_olmoe_config
 from olmo_model.presets import SpecError
 from olmo_run.checkpoints import pid_alive
 
 from .checkpoint import KINDS, Checkpoint, CheckpointError, Location, checked_tensor, resolve_spec, validate
 from .dcp import DCP_METADATA, DCPDir, load_torch_file, save_dcp
+from .hf_olmoe import is_olmoe, name_from_olmoe_file, olmoe_file_name
 from .native import JaxCheckpoint, TorchCheckpoint
 from .olmo_core_moe import Piece, check_stored, olmoddp_layout, olmoddp_state, stores_fused_qkv, stores_older_moe
 
@@ -116,9 +119,11 @@ class HFCheckpoint(Checkpoint):
         if not cfg_path.is_file():
             raise CheckpointError(f"{cfg_path}: not found; an hf: directory holds config.json and model*.safetensors")
         try:
-            own = spec_from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
+            cfg = json.loads(cfg_path.read_text())
+            olmoe = is_olmoe(cfg)
+            own = (spec_from_olmoe_config if olmoe else spec_from_hf_config)(cfg, source=str(cfg_path))
         except (SpecError, KeyError, json.JSONDecodeError) as err:
-            raise CheckpointError(f"{cfg_path}: not a usable Olmo3 config ({err})") from None
+            raise CheckpointError(f"{cfg_path}: not a usable Olmo3 or OLMoE config ({err})") from None
         self.spec = resolve_spec(own, spec, self.origin, CONFIG_FILE)
         if (path / TOKENIZER_FILE).is_file():
             self.tokenizer_dir = path
@@ -137,7 +142,8 @@ class HFCheckpoint(Checkpoint):
                 raise CheckpointError(f"{path / file}: shard listed in {INDEX_FILE} is missing")
             f = open(path / file, "rb")  # noqa: SIM115 - kept open until close()
             self._files[file] = f
-            for name, (shape, dtype, begin, end) in _read_safetensors_header(path / file, f).items():
+            for stored_name, (shape, dtype, begin, end) in _read_safetensors_header(path / file, f).items():
+                name = name_from_olmoe_file(stored_name, f"{path / file}") if olmoe else stored_name
                 self.stored[name] = (shape, dtype)
                 self._where[name] = (file, begin, end)
 
@@ -237,29 +243,37 @@ def write_hf(
     dtype_of: Callable[[str], torch.dtype],
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
-    """An HF directory (config.json + safetensors, sharded above ``max_shard_bytes``) in ``dst``."""
+    """An HF directory (config.json + safetensors, sharded above ``max_shard_bytes``) in ``dst``:
+    transformers' Olmo3 for a dense spec, OLMoE (olmo_tools.hf_olmoe) for an MoE spec it can express."""
+    olmoe = spec.moe is not None
+    config = olmoe_config(spec) if olmoe else hf_config(spec)  # refuses an MoE spec OLMoE cannot express
     dst.mkdir(parents=True)
     shapes = hf_param_shapes(spec)
+    ours = {(olmoe_file_name(n) if olmoe else n): n for n in shapes}  # name in the file -> interchange name
     shards: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = [[]]
     used = 0
-    for name, shape in shapes.items():
-        size = math.prod(shape) * dtype_of(name).itemsize
+    for file_name, name in ours.items():
+        size = math.prod(shapes[name]) * dtype_of(name).itemsize
         if shards[-1] and used + size > max_shard_bytes:
             shards.append([])
             used = 0
-        shards[-1].append((name, shape, dtype_of(name)))
+        shards[-1].append((file_name, shapes[name], dtype_of(name)))
         used += size
+
+    def fetch_file(file_name: str) -> torch.Tensor:
+        return fetch(ours[file_name])
+
     if len(shards) == 1:
-        write_safetensors(dst / SINGLE_FILE, shards[0], fetch)
+        write_safetensors(dst / SINGLE_FILE, shards[0], fetch_file)
     else:
         weight_map, total = {}, 0
         for i, entries in enumerate(shards, start=1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            total += write_safetensors(dst / file, entries, fetch)
+            total += write_safetensors(dst / file, entries, fetch_file)
             weight_map.update({name: file for name, _, _ in entries})
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (dst / CONFIG_FILE).write_text(json.dumps(hf_config(spec), indent=2) + "\n")
+    (dst / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 # ---- OLMo-core ----------------------------------------------------------------------------
