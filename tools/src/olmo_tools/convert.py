@@ -41,10 +41,9 @@ from olmo_model import ModelSpec, hf_param_shapes
 from olmo_model.presets import SpecError
 
 from .checkpoint import Checkpoint, CheckpointError, Location, parse_location, require_jax
-from .dcp import save_dcp
 from .formats import DTYPES, atomic_destination, check_destination, open_checkpoint, write_hf, write_olmo_core
 from .hf_tokenizer import ExportTokenizer, export_tokenizer
-from .native import write_jax, write_spec_file, write_torch
+from .native import write_jax, write_torch
 
 
 def convert(
@@ -145,27 +144,12 @@ def _write_weights(
             export.write(tmp)
     elif dst_loc.kind == "olmo-core":
         write_olmo_core(tmp, ckpt, dtype_of, as_file=dst_loc.path.suffix == ".pt")
-    elif dst_loc.kind == "torch" and ckpt.spec.moe is not None:
-        _write_torch_moe(tmp, ckpt, dtype)
     elif dst_loc.kind == "torch":
         write_torch(tmp, ckpt, dtype_of)
     else:
         stored = {d for _, d in ckpt.stored.values()}
         keep_bf16 = dtype is None and stored == {torch.bfloat16}
         write_jax(tmp, ckpt, "bfloat16" if dtype == torch.bfloat16 or keep_bf16 else "float32")
-
-
-def _write_torch_moe(tmp: Path, ckpt: Checkpoint, dtype: torch.dtype | None) -> None:
-    """A torch: folder of an MoE spec: the OlmoModel state dict, its experts stacked by the trainer's
-    own adapter (``olmo_train_torch.model_from_hf``), in ``dtype`` or the stored one, + spec.json."""
-    from olmo_train_torch import model_from_hf
-
-    stored = {d for _, d in ckpt.stored.values()}
-    model = model_from_hf(
-        ckpt.spec, dict(ckpt.tensors()), dtype or (stored.pop() if len(stored) == 1 else torch.float32)
-    )
-    save_dcp(tmp, {name: t.contiguous() for name, t in model.state_dict().items()})
-    write_spec_file(tmp, ckpt.spec)
 
 
 def _size_of(path: Path) -> int:

@@ -4,7 +4,8 @@
   ``meta.json`` instead) and the ``OlmoModel`` state dict
   (olmo_train_torch's own parameter names), either as a torch.distributed.checkpoint in
   DIR (keys as they are, or under ``model.`` as a trainer checkpoint with its optimizer
-  stores them) or as ``DIR/model.pt``. Read one tensor at a time; the name mapping is
+  stores them) or as ``DIR/model.pt``. Read one tensor at a time (an MoE layer's routed experts,
+  stacked [E, ...] as the trainer holds them, once for all E); the name mapping is
   olmo_train_torch's own (``hf_adapter.hf_to_local_names``).
 - ``jax:DIR``: ``spec.json`` and an Orbax checkpoint in ``DIR/state`` holding the NNX
   model's parameters as a pure dict (``nnx.to_pure_dict``; layers stacked, kernels
@@ -26,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from olmo_model import ModelSpec, hf_param_shapes
+from olmo_model import ModelSpec
 from olmo_model.presets import SpecError, spec_from_dict
 from olmo_run.errors import CheckpointDamagedError, TrainingStateError
 from olmo_run.init_source import LATEST, resolve_checkpoint
@@ -127,14 +128,19 @@ def numpy_to_torch(a: np.ndarray) -> torch.Tensor:
 
 
 # ---- torch: --------------------------------------------------------------------------------
-def _local_names(spec: ModelSpec) -> dict[str, str]:
-    """Interchange name -> OlmoModel state-dict name, from olmo_train_torch's own adapter."""
+def _interchange_names(spec: ModelSpec) -> dict[str, tuple[list[str], bool]]:
+    """OlmoModel state-dict name -> (the interchange names it holds, whether it stacks them), from
+    olmo_train_torch's own adapter: a routed-expert tensor [E, ...] holds one per expert, in expert
+    order; any other holds itself."""
     from olmo_train_torch.hf_adapter import hf_to_local_names
 
-    if spec.moe is not None:
-        raise CheckpointError(f"spec '{spec.name}' is MoE; olmo-convert handles the dense Olmo3 layout only")
-    # The adapter pairs each name with an expert index, which dense parameters do not have.
-    return {hf: local for hf, (local, _) in hf_to_local_names(spec).items()}
+    held: dict[str, dict[int, str]] = {}
+    stacked: set[str] = set()
+    for hf, (local, expert) in hf_to_local_names(spec).items():
+        held.setdefault(local, {})[0 if expert is None else expert] = hf
+        if expert is not None:
+            stacked.add(local)
+    return {local: ([names[e] for e in sorted(names)], local in stacked) for local, names in held.items()}
 
 
 class TorchCheckpoint(Checkpoint):
@@ -148,7 +154,6 @@ class TorchCheckpoint(Checkpoint):
             self.origin = f"torch:{path}"
             self.spec = resolve_spec(_trainer_spec(path, meta), spec, self.origin, META_FILE)
             self.mixture = _trainer_mixture(meta)
-        hf_of = {local: hf for hf, local in _local_names(self.spec).items()}
         self._dcp: DCPDir | None = None
         self._state = None
         if (path / DCP_METADATA).is_file():
@@ -159,30 +164,59 @@ class TorchCheckpoint(Checkpoint):
             stored = {k: (tuple(v.shape), v.dtype) for k, v in self._state.items() if isinstance(v, torch.Tensor)}
         else:
             raise CheckpointError(f"{path}: neither a DCP checkpoint ({DCP_METADATA}) nor {TORCH_FILE}")
+        self._index_stored(stored)
+
+    def _index_stored(self, stored: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """``stored`` and the key (and expert slice) each interchange name is read from."""
+        names_of = _interchange_names(self.spec)
         # A trainer checkpoint keeps the model under "model." next to its optimizer state.
-        prefixed = any(k.startswith("model.") and k.removeprefix("model.") in hf_of for k in stored)
-        self._key: dict[str, str] = {}
+        prefixed = any(k.startswith("model.") and k.removeprefix("model.") in names_of for k in stored)
+        self._key: dict[str, tuple[str, int | None]] = {}
+        self._stacked: tuple[str, torch.Tensor] | None = None  # the last stacked expert tensor read
         self.stored = {}
-        for key, shape_dtype in stored.items():
+        for key, (shape, dtype) in stored.items():
             if prefixed and not key.startswith("model."):
                 continue
             local = key.removeprefix("model.") if prefixed else key
-            name = hf_of.get(local, local)  # unknown names surface as unexpected tensors
-            self._key[name] = key
-            self.stored[name] = shape_dtype
+            names, is_stacked = names_of.get(local, ([local], False))  # unknown: an unexpected tensor
+            if not is_stacked:
+                self._key[names[0]] = (key, None)
+                self.stored[names[0]] = (shape, dtype)
+                continue
+            if shape[:1] != (len(names),):
+                raise CheckpointError(
+                    f"{self.origin}: '{key}' stacks {shape[0] if shape else 0} experts, spec '{self.spec.name}' "
+                    f"has {len(names)}; spec.json does not describe these weights"
+                )
+            for e, name in enumerate(names):
+                self._key[name] = (key, e)
+                self.stored[name] = (shape[1:], dtype)
+
+    def _read(self, key: str) -> torch.Tensor:
+        if self._dcp is not None:
+            return self._dcp.load(key)
+        assert self._state is not None  # __init__ sets _dcp or _state
+        return self._state[key]
 
     def tensor(self, name: str) -> torch.Tensor:
-        key = self._key[name]
-        if self._dcp is not None:
-            return checked_tensor(self, name, self._dcp.load(key))
-        assert self._state is not None  # __init__ sets _dcp or _state
-        return checked_tensor(self, name, self._state[key])
+        key, expert = self._key[name]
+        if expert is None:
+            return checked_tensor(self, name, self._read(key))
+        # Experts are asked for one after another: read their stacked tensor once.
+        if self._stacked is None or self._stacked[0] != key:
+            self._stacked = (key, self._read(key))
+        return checked_tensor(self, name, self._stacked[1][expert])
 
 
 def write_torch(dst: Path, ckpt: Checkpoint, dtype_of) -> None:
-    """DCP checkpoint of the OlmoModel state dict + spec.json (DCP writes one dict: whole model in memory)."""
-    local_of = _local_names(ckpt.spec)
-    state = {local_of[name]: ckpt.tensor(name).to(dtype_of(name)).contiguous() for name in hf_param_shapes(ckpt.spec)}
+    """DCP checkpoint of the OlmoModel state dict + spec.json (DCP writes one dict: whole model in
+    memory); routed experts stacked [E, ...] in the dtype of expert 0, as the trainer holds them."""
+    state = {}
+    for local, (names, is_stacked) in _interchange_names(ckpt.spec).items():
+        if not is_stacked:
+            state[local] = ckpt.tensor(names[0]).to(dtype_of(names[0])).contiguous()
+        else:
+            state[local] = torch.stack([ckpt.tensor(name).to(dtype_of(names[0])) for name in names])
     save_dcp(dst, state)
     write_spec_file(dst, ckpt.spec)
 
