@@ -7,11 +7,13 @@
 Both trainers run through their real entry points (``olmo_train_torch.cli.main`` and
 ``olmo_train_jax.cli.main``, in this process, one after the other; their output goes to
 OUT/torch.log and OUT/jax.log) on the same recipe in fp32 (``train.precision`` is forced to
-fp32, ``train.steps`` to ``--steps``). The torch model initialises the weights from
+fp32, ``train.steps`` to ``--steps``). A dense spec: the torch model initialises the weights from
 ``train.seed``; they are exported to an HF folder (OUT/init-hf) and BOTH runs start from it via
-``init.checkpoint=hf:...`` (for torch the same values its own init gives), so the only
-differences left are the frameworks' arithmetic. The data order is a function of (mixture,
-seed, step), so both see the same batches.
+``init.checkpoint=hf:...`` (for torch the same values its own init gives). An MoE spec (OLMo-core
+3's included, which no HF architecture expresses): both runs start fresh (``init.checkpoint``
+cleared), and both trainers draw their fresh weights from ``olmo_model.init`` for ``train.seed``,
+the same bits whatever the framework. Either way the only differences left are the frameworks'
+arithmetic. The data order is a function of (mixture, seed, step), so both see the same batches.
 
 Reported: per step the loss and grad norm of each and their differences, the largest |loss
 difference|, the final held-out losses of each; a PNG with both curves and their difference
@@ -153,8 +155,12 @@ def run_train_parity(args: argparse.Namespace) -> int:
     except RecipeError as err:
         raise TrainParityError(str(err)) from None
     out = _fresh_out(args, recipe)
-    export_initial_weights(spec, recipe.train.seed, out / INIT_DIR)
-    wall = _run_both(args, forced, out)
+    if spec.moe is None:
+        export_initial_weights(spec, recipe.train.seed, out / INIT_DIR)
+        start = [f"--init.checkpoint=hf:{(out / INIT_DIR).absolute()}", "--init.load_optimizer=false"]
+    else:
+        start = ["--init.checkpoint=null"]  # olmo_model.init for train.seed, in both trainers
+    wall = _run_both(args, [*forced, *start], out)
     result = compare_runs(out / "torch", out / "jax", args.steps)
 
     failures = check_thresholds(
@@ -197,11 +203,10 @@ def _fresh_out(args: argparse.Namespace, recipe: Recipe) -> Path:
 
 
 def _run_both(args: argparse.Namespace, forced: list[str], out: Path) -> dict[str, float]:
-    """Both trainers from the initial weights in OUT/init-hf, each into OUT/FRAMEWORK; wall seconds of each."""
+    """Both trainers with the ``forced`` overrides (the steps, fp32, the shared start), each into
+    OUT/FRAMEWORK; wall seconds of each."""
     common = [
         *forced,
-        f"--init.checkpoint=hf:{(out / INIT_DIR).absolute()}",
-        "--init.load_optimizer=false",
         "--log.every=1",
         "--log.progress=false",
         f"--checkpoint.every={args.steps}",
@@ -235,6 +240,7 @@ def _report(
         "sequence_length": recipe.train.sequence_length,
         "global_batch_tokens": recipe.train.global_batch_tokens,
         "out": str(out),
+        "start": f"hf:{out / INIT_DIR}" if spec.moe is None else f"olmo_model.init, seed {recipe.train.seed}",
         "png": str(png),
         "wall_seconds": wall,
         **result,
