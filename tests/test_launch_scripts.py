@@ -155,8 +155,10 @@ def test_gpu_refuses_localhost_as_master_of_several_nodes():
 
 
 def test_gpu_under_slurm_takes_the_job_and_the_jax_path_uses_every_gpu(tmp_path):
-    scontrol = tmp_path / "scontrol"  # scontrol show hostnames gpu[07-08]
-    scontrol.write_text("#!/bin/sh\necho gpu07\necho gpu08\n")
+    # scontrol show hostnames gpu[07-08], the second name late: a reader that stops after the
+    # first line (head) would kill it with SIGPIPE, which fails the script under pipefail.
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho gpu07\nsleep 0.3\necho gpu08\n")
     scontrol.chmod(0o755)
     slurm = {
         "PATH": f"{tmp_path}:{os.environ['PATH']}",
