@@ -1,5 +1,8 @@
-"""``olmo-parity train`` on OLMo-core 3's MoE (spec "tiny-olmoe3": no HF architecture expresses
-it), both trainers starting fresh from ``olmo_model.init`` for the recipe's seed.
+"""``olmo-parity train`` on OLMo-core 3's MoE (spec "tiny-olmoe3", olmoe3-t001 at test size: its
+dense leading block, GQA 4:1, per-head QK-norm, peri-norm, the embedding norm, the top-4 router
+weights scaled back by k; no HF architecture expresses it), both trainers on the embedded sample
+mixture starting fresh from ``olmo_model.init`` for the recipe's seed: issue 35's "both trainers
+train olmoe3-t001 shrunk to test size, twins within the olmo-parity bound".
 
 Five fp32 steps (sequences of 64, global batch 8, AdamW at 1e-3), in process, so that the test
 costs about half a minute on two cores: the twins stay within the command's default bound 1e-4 per step
