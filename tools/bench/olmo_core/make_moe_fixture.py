@@ -318,6 +318,34 @@ def write_shapes(specs: list[Path], out: Path) -> None:
     print(f"wrote {out}: {', '.join(f'{k} ({len(v)} tensors)' for k, v in shapes.items())}")
 
 
+def write_fixture(
+    folder: Path, model, tokens, logits, worst: float, *, script: str, description: str, seed: int
+) -> None:
+    """The model's checkpoint (OLMo-core's own save), its logits on the tokens and the provenance,
+    staged in a temporary folder next to spec.json and moved into place only when all are written."""
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        staging = Path(tmp)
+        save_model_and_optim_state(staging / "model_and_optim", model)
+        np.savez(staging / "reference.npz", tokens=tokens, logits=logits)
+        provenance = {
+            "ai2-olmo-core": version("ai2-olmo-core"),
+            "torch": torch.__version__,
+            "command": f"python tools/bench/olmo_core/{script} " + " ".join(sys.argv[1:]),
+            "model": description,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "batch": BATCH,
+            "sequence": SEQ,
+            "seed": seed,
+            "max_abs_block_diff_vs_recomputation": worst,
+        }
+        (staging / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+        for name in ("model_and_optim", "reference.npz", "provenance.json"):
+            target = folder / name
+            if target.is_dir():  # a directory cannot be replaced by rename: move the old one out first
+                target.replace(staging / f"old-{name}")
+            (staging / name).replace(target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", type=Path, help="fixture folder holding spec.json")
@@ -335,27 +363,16 @@ def main() -> None:
     model = build(spec, args.seed)
     tokens = np.random.default_rng(args.seed).integers(0, spec["vocab_size"], (BATCH, SEQ)).astype(np.int64)
     logits, worst = self_check(model, tokens, spec)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        staging = Path(tmp)
-        save_model_and_optim_state(staging / "model_and_optim", model)
-        np.savez(staging / "reference.npz", tokens=tokens, logits=logits)
-        provenance = {
-            "ai2-olmo-core": version("ai2-olmo-core"),
-            "torch": torch.__version__,
-            "command": "python tools/bench/olmo_core/make_moe_fixture.py " + " ".join(sys.argv[1:]),
-            "model": "OLMoDDPModelConfig(moe_fused_v2, fused_v2 attention, use_head_qk_norm, block 0 shared-only)",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "batch": BATCH,
-            "sequence": SEQ,
-            "seed": args.seed,
-            "max_abs_block_diff_vs_recomputation": worst,
-        }
-        (staging / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        for name in ("model_and_optim", "reference.npz", "provenance.json"):
-            target = args.dir / name
-            if target.is_dir():  # a directory cannot be replaced by rename: move the old one out first
-                target.replace(staging / f"old-{name}")
-            (staging / name).replace(target)
+    write_fixture(
+        args.dir,
+        model,
+        tokens,
+        logits,
+        worst,
+        script="make_moe_fixture.py",
+        description="OLMoDDPModelConfig(moe_fused_v2, fused_v2 attention, use_head_qk_norm, block 0 shared-only)",
+        seed=args.seed,
+    )
     print(f"wrote {args.dir}: logits {logits.shape}, |logits| max {np.abs(logits).max():.2f}, self-check {worst:.2e}")
 
 

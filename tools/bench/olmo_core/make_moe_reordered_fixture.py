@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import tempfile
-from importlib.metadata import version
 from pathlib import Path
 from unittest import mock
 
 import numpy as np
 import torch
+
+# The same tokens, staging and provenance as the OLMoDDP fixture (run from this folder: the script's own dir is on sys.path).
+from make_moe_fixture import BATCH, SEQ, write_fixture
 from olmo_core.config import DType
-from olmo_core.distributed.checkpoint import save_model_and_optim_state
 from olmo_core.nn.attention import AttentionConfig, SlidingWindowAttentionConfig
 from olmo_core.nn.attention.backend import AttentionBackendName
 from olmo_core.nn.feed_forward import FeedForwardConfig
@@ -44,8 +43,6 @@ from olmo_core.nn.lm_head import LMHeadConfig
 from olmo_core.nn.moe import MoEConfig, MoERouterConfig, MoEType, parallel_mlp
 from olmo_core.nn.rope import RoPEConfig, RoPEType
 from olmo_core.nn.transformer import TransformerBlockConfig, TransformerBlockType, TransformerConfig, TransformerType
-
-BATCH, SEQ = 2, 96  # 96 > the spec's window of 32
 
 
 def build_config(spec: dict) -> TransformerConfig:
@@ -183,27 +180,16 @@ def main() -> None:
     model = build(spec, args.seed)
     tokens = np.random.default_rng(args.seed).integers(0, spec["vocab_size"], (BATCH, SEQ)).astype(np.int64)
     logits, worst = forward(model, tokens, spec)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        staging = Path(tmp)
-        save_model_and_optim_state(staging / "model_and_optim", model)
-        np.savez(staging / "reference.npz", tokens=tokens, logits=logits)
-        provenance = {
-            "ai2-olmo-core": version("ai2-olmo-core"),
-            "torch": torch.__version__,
-            "command": "python tools/bench/olmo_core/make_moe_reordered_fixture.py " + " ".join(sys.argv[1:]),
-            "model": "TransformerConfig(moe, moe_reordered_norm blocks, DroplessMoE, block 0 reordered_norm)",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "batch": BATCH,
-            "sequence": SEQ,
-            "seed": args.seed,
-            "max_abs_block_diff_vs_recomputation": worst,
-        }
-        (staging / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
-        for name in ("model_and_optim", "reference.npz", "provenance.json"):
-            target = args.dir / name
-            if target.is_dir():  # a directory cannot be replaced by rename: move the old one out first
-                target.replace(staging / f"old-{name}")
-            (staging / name).replace(target)
+    write_fixture(
+        args.dir,
+        model,
+        tokens,
+        logits,
+        worst,
+        script="make_moe_reordered_fixture.py",
+        description="TransformerConfig(moe, moe_reordered_norm blocks, DroplessMoE, block 0 reordered_norm)",
+        seed=args.seed,
+    )
     print(f"wrote {args.dir}: logits {logits.shape}, |logits| max {np.abs(logits).max():.2f}, self-check {worst:.2e}")
 
 
